@@ -1,0 +1,73 @@
+"""`eagle31-export`: the Typer application. Thin: parse, call the library, render.
+
+Sub-commands live one per module and are registered here.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import typer
+
+from eagle31_export.errors import UserError
+
+app = typer.Typer(
+    name="eagle31-export",
+    help="Convert EAGLE 3.1 drafters and NVFP4 targets for TensorRT-LLM / TensorRT / Triton, and prove acceptance parity.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_DEBUG = {"on": False}
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")) -> None:
+    _DEBUG["on"] = debug
+
+
+def _register() -> None:
+    from eagle31_export.cli import inspect_cmd, speculate_cmd, demo_cmd
+
+    inspect_cmd.register(app)
+    speculate_cmd.register(app)
+    demo_cmd.register(app)
+    for optional in ("quantize_cmd", "plugins_cmd", "export_cmd", "serve_cmd", "parity_cmd"):
+        try:
+            module = __import__(f"eagle31_export.cli.{optional}", fromlist=["register"])
+        except ModuleNotFoundError as err:
+            if err.name != f"eagle31_export.cli.{optional}":
+                raise
+            continue
+        module.register(app)
+
+
+_register()
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except UserError as err:
+        if _DEBUG["on"]:
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as err:  # click usage errors
+        import click
+
+        if isinstance(err, click.exceptions.ClickException):
+            err.show()
+            sys.exit(2)
+        if isinstance(err, click.exceptions.Exit):
+            sys.exit(err.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

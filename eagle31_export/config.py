@@ -1,0 +1,217 @@
+"""The canonical vocabulary: one drafter config, one tapped-layer convention.
+
+Every reader produces a `DrafterConfig`; every writer consumes one. Format-specific
+conventions (key names, tapped-layer numbering, nesting) are converted at the edges,
+in `eagle31_export.formats`.
+
+Tapped-layer convention used everywhere inside this package: **output of layer i**
+(as TensorRT-LLM, ModelOpt and SpecForge count). `aux_layer_ids = (1, 15, 28)` taps the
+outputs of decoder layers 1, 15 and 28 of the target, which vLLM and the original EAGLE
+code call "before layers 2, 16, 29".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from eagle31_export.errors import UserError
+
+AttentionKind = Literal["gqa", "mla"]
+
+
+class ConfigError(UserError):
+    """A configuration that cannot describe a valid drafter or target."""
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek-V2 multi-head latent attention ranks (the Kimi K2.x `eagle3.1-mla` drafter)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Every architectural fact of an EAGLE-3 / EAGLE 3.1 drafter.
+
+    `aux_layer_ids` is None when the checkpoint does not name its tapped layers; the
+    format's default then applies and is resolved against the target with
+    `resolved_aux_layer_ids(target_num_layers)`.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int | None = None  # None: same as hidden_size
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    aux_layer_ids: tuple[int, ...] | None = None
+    num_aux_hidden_states: int = 3
+    fc_norm: bool = False
+    norm_output: bool = False
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    attention: AttentionKind = "gqa"
+    mla: MlaConfig | None = None
+    torch_dtype: str = "bfloat16"
+    # Informational extras a format carried that have no architectural meaning here
+    # (e.g. the verifier name). Kept so that writers can round-trip them.
+    extras: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- derived facts -------------------------------------------------
+    @property
+    def eagle_version(self) -> str:
+        return "3.1" if (self.fc_norm or self.norm_output) else "3"
+
+    @property
+    def effective_target_hidden_size(self) -> int:
+        return self.target_hidden_size or self.hidden_size
+
+    @property
+    def fc_in_features(self) -> int:
+        return self.num_aux_hidden_states * self.effective_target_hidden_size
+
+    def resolved_aux_layer_ids(self, target_num_layers: int) -> tuple[int, ...]:
+        """Tapped layers (output-of-layer numbering) for a target of `target_num_layers` layers."""
+        if self.aux_layer_ids is not None:
+            return self.aux_layer_ids
+        if self.num_aux_hidden_states != 3:
+            raise ConfigError(
+                f"the drafter taps {self.num_aux_hidden_states} layers but names none; "
+                "set eagle_aux_hidden_state_layer_ids in its config.json"
+            )
+        return default_aux_layer_ids(target_num_layers)
+
+    def validate(self) -> None:
+        if self.fc_norm and self.norm_before_fc:
+            raise ConfigError(
+                "config enables both fc_norm (one RMSNorm per tapped layer) and norm_before_fc "
+                "(one RMSNorm over the concatenation); EAGLE 3.1 uses fc_norm only: drop norm_before_fc"
+            )
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != self.num_aux_hidden_states:
+            raise ConfigError(
+                f"aux_layer_ids {list(self.aux_layer_ids)} name {len(self.aux_layer_ids)} layers "
+                f"but num_aux_hidden_states is {self.num_aux_hidden_states}"
+            )
+        if self.num_aux_hidden_states < 1:
+            raise ConfigError("num_aux_hidden_states must be >= 1")
+        if self.attention == "mla" and self.mla is None:
+            raise ConfigError("attention 'mla' needs the MLA ranks (kv_lora_rank, qk_*_head_dim, ...)")
+        if self.attention == "gqa" and self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ConfigError(
+                f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab_size {self.vocab_size}"
+            )
+
+    def replace(self, **changes: Any) -> "DrafterConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Canonical fields as plain JSON (used by `inspect --json`)."""
+        out = dataclasses.asdict(self)
+        out.pop("extras")
+        out["aux_layer_ids"] = list(self.aux_layer_ids) if self.aux_layer_ids is not None else None
+        return out
+
+
+def default_aux_layer_ids(target_num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default taps in output-of-layer numbering: {1, N//2-1, N-4}.
+
+    The same tensors as vLLM's (2, N//2, N-3) in its before-layer numbering.
+    """
+    n = target_num_layers
+    return (1, n // 2 - 1, n - 4)
+
+
+def output_to_before_layer(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Output of layer i is the input of layer i+1 (vLLM / original EAGLE numbering)."""
+    return tuple(i + 1 for i in ids)
+
+
+def before_layer_to_output(ids: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(i - 1 for i in ids)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the drafter needs to know about its target model."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "TargetInfo":
+        text = cfg.get("text_config", cfg)  # multimodal wrappers nest the language model
+        try:
+            heads = text["num_attention_heads"]
+            return cls(
+                model_type=str(text.get("model_type", cfg.get("model_type", "unknown"))),
+                hidden_size=int(text["hidden_size"]),
+                num_hidden_layers=int(text["num_hidden_layers"]),
+                vocab_size=int(text["vocab_size"]),
+                num_attention_heads=int(heads),
+                num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+                intermediate_size=int(text.get("intermediate_size", 0)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            )
+        except KeyError as missing:
+            raise ConfigError(f"target config.json lacks {missing}; is this a causal LM checkpoint?") from None
+
+
+def compatibility_problems(cfg: DrafterConfig, target: TargetInfo, d2t_max_target_id: int | None) -> list[str]:
+    """Every reason this drafter cannot run on this target, as user-facing lines."""
+    problems = []
+    if cfg.effective_target_hidden_size != target.hidden_size:
+        problems.append(
+            f"drafter expects target hidden size {cfg.effective_target_hidden_size}, target has {target.hidden_size}"
+        )
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"drafter vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}")
+    try:
+        ids = cfg.resolved_aux_layer_ids(target.num_hidden_layers)
+    except ConfigError as err:
+        problems.append(str(err))
+        ids = ()
+    bad = [i for i in ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        problems.append(
+            f"tapped layer ids {bad} (output-of-layer numbering) out of range for a target of "
+            f"{target.num_hidden_layers} layers (valid 0..{target.num_hidden_layers - 1})"
+        )
+    if d2t_max_target_id is not None and d2t_max_target_id >= target.vocab_size:
+        problems.append(
+            f"d2t maps a draft token to target id {d2t_max_target_id}, outside the target vocab of {target.vocab_size}"
+        )
+    return problems

@@ -1,0 +1,1 @@
+"""PyTorch source of truth: drafter, target with tapped states, speculation loop."""

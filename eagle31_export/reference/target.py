@@ -1,0 +1,98 @@
+"""Reference target: any transformers causal LM, returning logits plus tapped hidden states."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from eagle31_export.errors import UserError
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer stack of a transformers causal LM (Llama, Qwen2/3, Mistral, ...)."""
+    for path in ("model.layers", "model.language_model.layers", "transformer.h", "model.decoder.layers"):
+        mod = model
+        for part in path.split("."):
+            mod = getattr(mod, part, None)
+            if mod is None:
+                break
+        if isinstance(mod, nn.ModuleList):
+            return mod
+    raise UserError(f"cannot find the decoder layers of {type(model).__name__}; supported: Llama, Qwen2/3, Mistral")
+
+
+class ReferenceTarget:
+    """Runs the target with a KV cache and taps the OUTPUT of each layer in `aux_layer_ids`.
+
+    Taps use forward hooks on the decoder layers rather than `output_hidden_states`, whose
+    last entry is post-final-norm in transformers and would silently mis-tap layer N-1.
+    """
+
+    def __init__(self, model: nn.Module, aux_layer_ids: tuple[int, ...]):
+        self.model = model
+        self.layers = decoder_layers(model)
+        n = len(self.layers)
+        bad = [i for i in aux_layer_ids if not 0 <= i < n]
+        if bad:
+            raise UserError(f"tapped layer ids {bad} out of range for a target with {n} layers (0..{n - 1})")
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.num_layers = n
+        self.vocab_size = int(model.config.get_text_config().vocab_size)
+        self.cache = None
+        self._length = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self._length = 0
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `input_ids` [1, T] to the cache; return logits [1, T, V] and taps [1, T, k*H]."""
+        if self.cache is None:
+            self.reset()
+        taps: dict[int, torch.Tensor] = {}
+        handles = [
+            self.layers[i].register_forward_hook(_tap_into(taps, i)) for i in self.aux_layer_ids
+        ]
+        t = input_ids.shape[1]
+        positions = torch.arange(self._length, self._length + t).unsqueeze(0)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        finally:
+            for h in handles:
+                h.remove()
+        self.cache = out.past_key_values
+        self._length += t
+        aux = torch.cat([taps[i] for i in self.aux_layer_ids], dim=-1)
+        return out.logits, aux
+
+    def truncate(self, length: int) -> None:
+        """Drop cache entries past `length` (rejected draft tokens)."""
+        self.cache.crop(length)
+        self._length = length
+
+
+def _tap_into(store: dict[int, torch.Tensor], layer_id: int):
+    def hook(_module, _inputs, output):
+        store[layer_id] = output[0] if isinstance(output, tuple) else output
+
+    return hook
+
+
+def load_target(path: str | os.PathLike, aux_layer_ids: tuple[int, ...], dtype: torch.dtype = torch.float32,
+                act_quant: bool = False) -> ReferenceTarget:
+    from eagle31_export.formats.target import load_causal_lm
+
+    return ReferenceTarget(load_causal_lm(path, dtype=dtype, act_quant=act_quant), aux_layer_ids)
