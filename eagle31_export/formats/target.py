@@ -28,7 +28,9 @@ def read_target_info(path: str | os.PathLike) -> TargetInfo:
 def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, act_quant: bool = False):
     """A transformers causal LM with the checkpoint's weights, in `dtype`, in eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     if act_quant:
         raise CheckpointError(f"{path}: --act-quant needs an NVFP4 checkpoint; this one is not quantized")
     try:

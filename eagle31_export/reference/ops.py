@@ -72,3 +72,15 @@ class TorchKernels:
 
     def post_norm_feedback(self, residual, update, norm_weight, eps, norm_output):
         return post_norm_feedback(residual, update, norm_weight, eps, norm_output)
+
+
+class RMSNorm(torch.nn.Module):
+    """Module form of `rms_norm`, so checkpoints name its parameter `<name>.weight`."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

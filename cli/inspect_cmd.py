@@ -1,0 +1,52 @@
+"""`eagle31-export inspect PATH [--target PATH] [--json]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from eagle31_export.inspection import inspect_path
+from eagle31_export.cli.common import print_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect")(inspect)
+
+
+def inspect(
+    path: Path = typer.Argument(..., help="A drafter or target checkpoint folder."),
+    target: Optional[Path] = typer.Option(None, "--target", help="Check the drafter against this target."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Detected format, EAGLE version, canonical config, tapped layers, compatibility."""
+    report = inspect_path(path, target)
+    if as_json:
+        print_json(report)
+    else:
+        _render(report)
+    if report["problems"]:
+        raise typer.Exit(2)
+
+
+def _render(report: dict) -> None:
+    console = Console()
+    title = f"{report['kind']}: {report.get('format', '')} EAGLE {report.get('eagle_version', '')}".strip()
+    table = Table(title=title if report["kind"] == "drafter" else "target", show_header=False)
+    for key, value in report["config"].items():
+        table.add_row(key, str(value))
+    if "tapped_layers" in report:
+        table.add_row("tapped (output of layer)", str(report["tapped_layers"]["output_of_layer"]))
+        table.add_row("tapped (before layer, vLLM)", str(report["tapped_layers"]["before_layer"]))
+    if report.get("quantization"):
+        table.add_row("quantization", str(report["quantization"]))
+    console.print(table)
+    for key in report.get("unknown_config_keys", []):
+        console.print(f"[yellow]unknown config key (ignored): {key}[/]")
+    for problem in report["problems"]:
+        console.print(f"[red]problem: {problem}[/]")
+    if not report["problems"]:
+        console.print("[green]no problems found[/]")

@@ -1,0 +1,363 @@
+"""One class per drafter checkpoint format: config keys and tensor names, in and out.
+
+Each format converts ITS conventions (nesting, tapped-layer numbering, tensor prefixes) to
+and from the canonical `DrafterConfig` and canonical tensor names (the parameter names of
+`reference.drafter.Eagle3Drafter`). Nothing outside this module knows a format's keys.
+
+Tapped-layer numbering per format (FACTS.md section 1):
+- eagle (original EAGLE) and speculators: "before layer i" (vLLM's numbering), top-level
+  `eagle_aux_hidden_state_layer_ids`.
+- specforge / TorchSpec and modelopt: "output of layer i", `eagle_config.eagle_aux_hidden_state_layer_ids`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagle31_export.config import (
+    DrafterConfig,
+    MlaConfig,
+    before_layer_to_output,
+    output_to_before_layer,
+)
+from eagle31_export.errors import CheckpointError
+
+# Keys of a transformers LlamaConfig / DeepseekV3Config that carry no architectural meaning
+# for the drafter: accepted silently.
+HF_BOOKKEEPING = {
+    "architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+    "transformers_version", "use_cache", "tie_word_embeddings", "pretraining_tp", "mlp_bias",
+    "attention_dropout", "_name_or_path", "dtype", "torch_dtype", "rope_parameters", "rope_interleave",
+    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
+    "moe_layer_freq", "routed_scaling_factor", "topk_group", "n_group", "topk_method", "norm_topk_prob",
+    "scoring_func", "aux_loss_alpha", "seq_aux", "ep_size", "num_nextn_predict_layers", "layer_types",
+    "use_sliding_window", "sliding_window", "max_window_layers", "output_router_logits", "router_aux_loss_coef",
+}
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _llama_fields(c: dict[str, Any]) -> dict[str, Any]:
+    """Canonical fields from a Llama/DeepSeek-style flat config."""
+    try:
+        heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
+        out = dict(
+            hidden_size=hidden,
+            intermediate_size=int(c["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or hidden // heads),
+            vocab_size=int(c["vocab_size"]),
+            num_layers=int(c.get("num_hidden_layers", 1)),
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=c.get("rope_scaling"),
+            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+            hidden_act=str(c.get("hidden_act", "silu")),
+            attention_bias=bool(c.get("attention_bias", False)),
+            torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "bfloat16"),
+        )
+    except KeyError as missing:
+        raise CheckpointError(f"config.json lacks {missing}, which every drafter config needs") from None
+    if c.get("kv_lora_rank"):
+        out["attention"] = "mla"
+        out["mla"] = MlaConfig(**{k: (int(c[k]) if c.get(k) is not None else None) for k in MLA_KEYS})
+    return out
+
+
+def _llama_keys(cfg: DrafterConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "num_hidden_layers": cfg.num_layers,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": cfg.hidden_act,
+        "attention_bias": cfg.attention_bias,
+        "torch_dtype": cfg.torch_dtype,
+        "tie_word_embeddings": False,
+    }
+    if cfg.attention == "mla":
+        out.update({k: getattr(cfg.mla, k) for k in MLA_KEYS})
+    return out
+
+
+LLAMA_KEYS = {
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+    "num_hidden_layers", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "hidden_act",
+    "attention_bias", *MLA_KEYS,
+}
+
+
+def _flag(c: dict[str, Any], *names: str) -> bool:
+    return any(bool(c.get(n, False)) for n in names)
+
+
+def _num_aux(c: dict[str, Any], ids: tuple[int, ...] | None) -> int:
+    # vLLM's rule: num_aux_hidden_states, else the number of tapped ids, else 3.
+    if c.get("num_aux_hidden_states"):
+        return int(c["num_aux_hidden_states"])
+    return len(ids) if ids else 3
+
+
+def _ids(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(i) for i in value)
+
+
+class DrafterFormat:
+    """Base: a format that stores the first layer under `layer_prefix` and the rest as given."""
+
+    name = ""
+    layer_prefix = "layers."  # how the format names canonical `layers.`
+
+    # ---- tensor names ----------------------------------------------------
+    def to_canonical(self, name: str) -> str:
+        if self.layer_prefix != "layers." and name.startswith(self.layer_prefix):
+            return "layers.0." + name[len(self.layer_prefix):]
+        return name
+
+    def from_canonical(self, name: str, cfg: DrafterConfig) -> str:
+        if self.layer_prefix != "layers." and name.startswith("layers."):
+            if cfg.num_layers != 1:
+                raise CheckpointError(f"format {self.name!r} holds one drafter layer; this drafter has {cfg.num_layers}")
+            return self.layer_prefix + name[len("layers.0."):]
+        return name
+
+    # ---- config ----------------------------------------------------------
+    def read_config(self, c: dict[str, Any]) -> tuple[DrafterConfig, list[str]]:
+        raise NotImplementedError
+
+    def write_config(self, cfg: DrafterConfig) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class EagleFormat(DrafterFormat):
+    """SafeAILab/EAGLE `traineagle3`: a LlamaConfig plus `draft_vocab_size`; `midlayer.*` names."""
+
+    name = "eagle"
+    layer_prefix = "midlayer."
+    architecture = "LlamaForCausalLM"
+    known = LLAMA_KEYS | {"draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+                          "num_aux_hidden_states", "fc_norm", "norm_output", "norm_before_residual"}
+
+    def read_config(self, c):
+        ids = _ids(c.get("eagle_aux_hidden_state_layer_ids"))
+        ids = before_layer_to_output(ids) if ids is not None else None
+        cfg = DrafterConfig(
+            **_llama_fields(c),
+            draft_vocab_size=int(c.get("draft_vocab_size", c["vocab_size"])),
+            target_hidden_size=c.get("target_hidden_size"),
+            aux_layer_ids=ids,
+            num_aux_hidden_states=_num_aux(c, ids),
+            fc_norm=_flag(c, "fc_norm"),
+            norm_output=_flag(c, "norm_output"),
+            norm_before_residual=_flag(c, "norm_before_residual"),
+        )
+        return cfg, _unknown(c, self.known)
+
+    def write_config(self, cfg):
+        out = {"architectures": [self.architecture], "model_type": "llama", **_llama_keys(cfg),
+               "draft_vocab_size": cfg.draft_vocab_size}
+        if cfg.target_hidden_size is not None:
+            out["target_hidden_size"] = cfg.target_hidden_size
+        if cfg.aux_layer_ids is not None:
+            out["eagle_aux_hidden_state_layer_ids"] = list(output_to_before_layer(cfg.aux_layer_ids))
+        if cfg.num_aux_hidden_states != 3:
+            out["num_aux_hidden_states"] = cfg.num_aux_hidden_states
+        # EAGLE 3.1 / variant flags only when set, so EAGLE-3 configs stay byte-for-byte classic.
+        for flag in ("fc_norm", "norm_output", "norm_before_residual"):
+            if getattr(cfg, flag):
+                out[flag] = True
+        if cfg.norm_before_fc:
+            raise CheckpointError("the original EAGLE format has no norm_before_fc; write speculators or modelopt")
+        return out
+
+
+class SpecForgeFormat(EagleFormat):
+    """SpecForge / TorchSpec: `LlamaForCausalLMEagle3`, `midlayer.*`, `fc_norm.{i}`, output-of-layer ids."""
+
+    name = "specforge"
+    architecture = "LlamaForCausalLMEagle3"
+    known = EagleFormat.known | {"eagle_config", "use_aux_norm"}
+
+    def read_config(self, c):
+        eagle_cfg = c.get("eagle_config") or {}
+        ids = _ids(eagle_cfg.get("eagle_aux_hidden_state_layer_ids", c.get("eagle_aux_hidden_state_layer_ids")))
+        cfg = DrafterConfig(
+            **_llama_fields(c),
+            draft_vocab_size=int(c.get("draft_vocab_size", c["vocab_size"])),
+            target_hidden_size=c.get("target_hidden_size"),
+            aux_layer_ids=ids,
+            num_aux_hidden_states=_num_aux(c, ids),
+            fc_norm=_flag(c, "fc_norm", "use_aux_norm"),  # sglang accepts use_aux_norm as an alias
+            norm_output=_flag(c, "norm_output"),
+            norm_before_residual=_flag(c, "norm_before_residual"),
+        )
+        unknown = _unknown(c, self.known) + [f"eagle_config.{k}" for k in eagle_cfg
+                                             if k != "eagle_aux_hidden_state_layer_ids"]
+        return cfg, unknown
+
+    def write_config(self, cfg):
+        out = {"architectures": [self.architecture], "model_type": "llama", **_llama_keys(cfg),
+               "draft_vocab_size": cfg.draft_vocab_size,
+               "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}
+        if cfg.target_hidden_size is not None:
+            out["target_hidden_size"] = cfg.target_hidden_size
+        if cfg.norm_before_residual:
+            out["norm_before_residual"] = True
+        if cfg.num_aux_hidden_states != 3:
+            out["num_aux_hidden_states"] = cfg.num_aux_hidden_states
+        if cfg.aux_layer_ids is not None:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)}
+        if cfg.norm_before_fc:
+            raise CheckpointError("the SpecForge format has no norm_before_fc; write speculators or modelopt")
+        return out
+
+
+class SpeculatorsFormat(DrafterFormat):
+    """vllm-project/speculators `eagle3`: the layer config nested in `transformer_layer_config`."""
+
+    name = "speculators"
+    known = {"speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
+             "norm_before_residual", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_fc",
+             "fc_norm", "norm_output", "speculators_config", "speculators_version", "enable_sp_ulysses",
+             "embed_requires_grad", "num_aux_hidden_states", "has_no_defaults_at_init", "torch_dtype", "dtype",
+             "transformers_version"}
+
+    def read_config(self, c):
+        layer = c.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise CheckpointError("speculators config.json lacks the transformer_layer_config object")
+        ids = _ids(c.get("eagle_aux_hidden_state_layer_ids"))
+        ids = before_layer_to_output(ids) if ids is not None else None
+        fields = _llama_fields(layer)
+        if c.get("torch_dtype") or c.get("dtype"):
+            fields["torch_dtype"] = str(c.get("torch_dtype") or c.get("dtype"))
+        cfg = DrafterConfig(
+            **fields,
+            draft_vocab_size=int(c.get("draft_vocab_size", layer["vocab_size"])),
+            target_hidden_size=c.get("target_hidden_size"),
+            aux_layer_ids=ids,
+            num_aux_hidden_states=_num_aux(c, ids),
+            fc_norm=_flag(c, "fc_norm"),
+            norm_output=_flag(c, "norm_output"),
+            norm_before_fc=_flag(c, "norm_before_fc"),
+            norm_before_residual=_flag(c, "norm_before_residual"),
+            extras={"speculators_config": c.get("speculators_config")},
+        )
+        unknown = _unknown(c, self.known) + [f"transformer_layer_config.{k}" for k in _unknown(layer, LLAMA_KEYS)]
+        return cfg, unknown
+
+    def write_config(self, cfg):
+        layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **_llama_keys(cfg)}
+        layer.pop("torch_dtype")
+        out = {
+            "speculators_model_type": "eagle3",
+            "architectures": ["Eagle3Speculator"],
+            "transformer_layer_config": layer,
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "norm_before_residual": cfg.norm_before_residual,
+            "target_hidden_size": cfg.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": (list(output_to_before_layer(cfg.aux_layer_ids))
+                                                 if cfg.aux_layer_ids is not None else None),
+            "norm_before_fc": cfg.norm_before_fc,
+            "fc_norm": cfg.fc_norm,
+            "norm_output": cfg.norm_output,
+            "torch_dtype": cfg.torch_dtype,
+            "speculators_config": cfg.extras.get("speculators_config") or {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": None, "architectures": []},
+            },
+        }
+        if cfg.num_aux_hidden_states != 3:
+            out["num_aux_hidden_states"] = cfg.num_aux_hidden_states
+        return out
+
+
+class ModelOptFormat(DrafterFormat):
+    """NVIDIA ModelOpt HF export: nested `eagle_config`, `layers.N.*` names, no `t2d`."""
+
+    name = "modelopt"
+    known = LLAMA_KEYS | {"eagle_config", "draft_vocab_size", "target_hidden_size", "fc_norm", "norm_output",
+                          "num_aux_hidden_states", "norm_before_residual"}
+    eagle_known = {"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "use_input_layernorm_in_first_layer",
+                   "use_last_layernorm", "next_layer_regular", "use_mtp_layernorm", "parallel_draft_step",
+                   "norm_before_fc", "return_hidden_post_norm", "eh_proj_before_attn", "eh_proj_bias"}
+
+    def read_config(self, c):
+        e = c.get("eagle_config") or {}
+        ids = _ids(e.get("eagle_aux_hidden_state_layer_ids"))
+        if e.get("use_aux_hidden_state") is False:
+            raise CheckpointError("eagle_config.use_aux_hidden_state is false: an EAGLE-1/2 drafter, not EAGLE-3")
+        cfg = DrafterConfig(
+            **_llama_fields(c),
+            draft_vocab_size=int(c.get("draft_vocab_size", c["vocab_size"])),
+            target_hidden_size=c.get("target_hidden_size"),
+            aux_layer_ids=ids,
+            num_aux_hidden_states=_num_aux(c, ids),
+            fc_norm=_flag(c, "fc_norm"),
+            # TensorRT-LLM reads the feedback flag as eagle_config.return_hidden_post_norm (FACTS.md 6)
+            norm_output=_flag(c, "norm_output") or _flag(e, "return_hidden_post_norm"),
+            norm_before_fc=_flag(e, "norm_before_fc"),
+            norm_before_residual=_flag(c, "norm_before_residual"),
+        )
+        unknown = _unknown(c, self.known) + [f"eagle_config.{k}" for k in _unknown(e, self.eagle_known)]
+        return cfg, unknown
+
+    def write_config(self, cfg):
+        arch = "Eagle3DeepseekV2ForCausalLM" if cfg.attention == "mla" else "LlamaForCausalLMEagle3"
+        out = {"architectures": [arch], "model_type": "deepseek_v3" if cfg.attention == "mla" else "llama",
+               **_llama_keys(cfg), "draft_vocab_size": cfg.draft_vocab_size,
+               "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}
+        if cfg.target_hidden_size is not None:
+            out["target_hidden_size"] = cfg.target_hidden_size
+        if cfg.norm_before_residual:
+            out["norm_before_residual"] = True
+        if cfg.num_aux_hidden_states != 3:
+            out["num_aux_hidden_states"] = cfg.num_aux_hidden_states
+        e: dict[str, Any] = {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
+                             "use_last_layernorm": True, "next_layer_regular": True,
+                             "norm_before_fc": cfg.norm_before_fc,
+                             "return_hidden_post_norm": cfg.norm_output}
+        if cfg.aux_layer_ids is not None:
+            e["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+        out["eagle_config"] = e
+        return out
+
+
+FORMATS: dict[str, DrafterFormat] = {f.name: f for f in (EagleFormat(), SpecForgeFormat(), SpeculatorsFormat(),
+                                                          ModelOptFormat())}
+
+
+def detect_format(c: dict[str, Any], tensor_names: list[str]) -> DrafterFormat:
+    """Pick the format from config markers, with tensor prefixes breaking ties."""
+    archs = set(c.get("architectures") or [])
+    midlayer = any(n.startswith("midlayer.") for n in tensor_names)
+    layers = any(n.startswith("layers.") for n in tensor_names)
+    if c.get("speculators_model_type"):
+        if c["speculators_model_type"] != "eagle3":
+            raise CheckpointError(f"speculators model type {c['speculators_model_type']!r} is not EAGLE-3")
+        return FORMATS["speculators"]
+    if layers and not midlayer and (archs & {"LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"}
+                                    or "eagle_config" in c):
+        return FORMATS["modelopt"]
+    if midlayer and "LlamaForCausalLMEagle3" in archs:
+        return FORMATS["specforge"]
+    if midlayer and "draft_vocab_size" in c:
+        return FORMATS["eagle"]
+    raise CheckpointError(
+        "cannot tell the drafter format: expected an EAGLE-3 config (draft_vocab_size with midlayer.* tensors, "
+        "LlamaForCausalLMEagle3, speculators_model_type eagle3, or a ModelOpt eagle_config); is this a drafter?"
+    )
+
+
+def _unknown(c: dict[str, Any], known: set[str]) -> list[str]:
+    return sorted(k for k in c if k not in known and k not in HF_BOOKKEEPING)

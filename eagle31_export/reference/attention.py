@@ -1,0 +1,123 @@
+"""Drafter attention with its own KV cache: GQA (Llama) and MLA (DeepSeek-V2 / Kimi)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from eagle31_export.config import DrafterConfig
+from eagle31_export.reference.ops import RMSNorm
+from eagle31_export.reference.rope import apply_rope, cos_sin, inv_frequencies
+
+
+class KVCache:
+    """Per-layer key/value tensors [B, heads, S, dim], appended per call, cropped on rejection."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+
+    def length(self) -> int:
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.keys) <= layer:
+            self.keys.append(None)
+            self.values.append(None)
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def crop(self, length: int) -> None:
+        self.keys = [None if k is None else k[:, :, :length] for k in self.keys]
+        self.values = [None if v is None else v[:, :, :length] for v in self.values]
+
+
+def causal_mask(q_len: int, past: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [q_len, past + q_len]: query j sees every cached key and new keys <= j."""
+    allowed = torch.ones(q_len, past + q_len, dtype=torch.bool).tril(diagonal=past)
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+
+
+class GqaAttention(nn.Module):
+    """Llama-style grouped-query attention; `in_features` is 2H in the EAGLE-3 first layer."""
+
+    def __init__(self, cfg: DrafterConfig, layer_id: int, in_features: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(in_features, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.register_buffer("inv_freq", inv_frequencies(self.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos_sin(positions, self.inv_freq, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        past = cache.length()
+        k, v = cache.append(self.layer_id, k, v)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, past, q.dtype))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MlaAttention(nn.Module):
+    """DeepSeek-V2 multi-head latent attention (the Kimi K2.x `eagle3.1-mla` drafter).
+
+    The cache holds the expanded per-head keys/values: the reference favours clarity over the
+    latent-cache trick, which does not change the result.
+    """
+
+    def __init__(self, cfg: DrafterConfig, layer_id: int, in_features: int):
+        super().__init__()
+        m = cfg.mla
+        self.layer_id, self.heads, self.m = layer_id, cfg.num_attention_heads, m
+        if m.q_lora_rank:
+            self.q_a_proj = nn.Linear(in_features, m.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, self.heads * m.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(in_features, self.heads * m.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(in_features, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * m.v_head_dim, cfg.hidden_size, bias=False)
+        self.register_buffer("inv_freq", inv_frequencies(m.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        b, t, _ = x.shape
+        m, h = self.m, self.heads
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(b, t, h, m.qk_head_dim).transpose(1, 2)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
+        k_nope, v = kv.view(b, t, h, -1).transpose(1, 2).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        cos, sin = cos_sin(positions, self.inv_freq, x.dtype)
+        q_pe = apply_rope(_deinterleave(q_pe), cos, sin)
+        k_pe = apply_rope(_deinterleave(k_pe.unsqueeze(1)), cos, sin).expand(b, h, t, m.qk_rope_head_dim)
+        past = cache.length()
+        k, v = cache.append(self.layer_id, torch.cat([k_nope, k_pe], -1), v)
+        q = torch.cat([q_nope, q_pe], -1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, past, q.dtype), scale=m.qk_head_dim ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, h * m.v_head_dim))
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    # DeepSeek's checkpoints store rope dims as interleaved (re, im) pairs; reorder to the
+    # rotate_half layout (all re, then all im) before applying rope.
+    d = x.shape[-1]
+    return x.view(*x.shape[:-1], d // 2, 2).transpose(-1, -2).reshape(*x.shape[:-1], d)

@@ -1,0 +1,211 @@
+"""Chain speculative decoding (batch 1) over pluggable backends, with acceptance statistics.
+
+The loop is written once; the reference (PyTorch) and the exported runtimes (ONNX Runtime,
+Triton, ...) plug in as `TargetBackend` / `DrafterBackend`.
+
+Positions: the target has processed tokens 0..m-1 and tapped their hidden states; token m is
+the newest (sampled, not yet processed). The drafter pairs the tapped state at position j with
+token j+1, so its committed cache covers positions whose next token is known. Each round:
+1. the drafter consumes the not-yet-committed (state, next token) pairs and proposes d_1;
+2. steps 2..depth feed its own state back (post-norm under EAGLE 3.1's `norm_output`);
+3. the target verifies [t_m, d_1..d_depth] in one forward; accepted drafts plus one bonus
+   token are kept, both caches are cut back to what was verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from eagle31_export.reference.attention import KVCache
+from eagle31_export.reference.drafter import Eagle3Drafter
+
+
+class TargetBackend(Protocol):
+    def reset(self) -> None: ...
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ids [1, T]; return logits [1, T, V] and tapped states [1, T, k*Ht]."""
+
+    def truncate(self, length: int) -> None: ...
+
+
+class DrafterBackend(Protocol):
+    def reset(self) -> None: ...
+
+    @property
+    def length(self) -> int: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                hidden_is_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return draft logits [1, T, Vd] and the fed-back state [1, T, H]."""
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def truncate(self, length: int) -> None: ...
+
+
+class ReferenceDrafterBackend:
+    """The reference drafter module plus its KV cache."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.drafter = drafter
+        self.cache = KVCache()
+
+    def reset(self) -> None:
+        self.cache = KVCache()
+
+    @property
+    def length(self) -> int:
+        return self.cache.length()
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, hidden, hidden_is_aux):
+        step = self.drafter(input_ids, positions, hidden, self.cache, hidden_is_aux)
+        return step.logits, step.fed_back
+
+    def draft_to_target(self, draft_ids):
+        return self.drafter.draft_to_target(draft_ids)
+
+    def truncate(self, length: int) -> None:
+        self.cache.crop(length)
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]
+    drafts: list[list[int]]
+    accepted_per_step: list[int]
+    depth: int
+    first_draft_logits: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def acceptance_length(self) -> float:
+        """tau: tokens produced per target verification (accepted drafts + the bonus token)."""
+        if not self.accepted_per_step:
+            return 0.0
+        return 1.0 + sum(self.accepted_per_step) / len(self.accepted_per_step)
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Fraction of rounds whose draft at position i (1-based) was accepted."""
+        rounds = max(len(self.accepted_per_step), 1)
+        return [sum(a >= i for a in self.accepted_per_step) / rounds for i in range(1, self.depth + 1)]
+
+    @property
+    def drafts_proposed(self) -> int:
+        return sum(len(d) for d in self.drafts)
+
+    def to_json(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "drafts": self.drafts,
+            "accepted_per_step": self.accepted_per_step,
+            "acceptance_length": self.acceptance_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "drafts_proposed": self.drafts_proposed,
+            "depth": self.depth,
+        }
+
+
+class _Sampler:
+    """Greedy at temperature 0, else seeded sampling with speculative rejection."""
+
+    def __init__(self, temperature: float, seed: int):
+        self.temperature = temperature
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.double() / self.temperature, dim=-1)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        if self.temperature == 0:
+            return int(torch.argmax(logits))
+        return int(torch.multinomial(self.probs(logits), 1, generator=self.gen))
+
+    def draft(self, draft_logits: torch.Tensor, drafter: DrafterBackend, vocab: int) -> tuple[int, torch.Tensor | None]:
+        """A draft token as a target id, and the drafter's distribution over the target vocab."""
+        d = self.pick(draft_logits)
+        target_id = int(drafter.draft_to_target(torch.tensor([d]))[0])
+        if self.temperature == 0:
+            return target_id, None
+        q = torch.zeros(vocab, dtype=torch.float64)
+        ids = drafter.draft_to_target(torch.arange(draft_logits.shape[-1]))
+        q[ids] = self.probs(draft_logits)
+        return target_id, q
+
+    def verify(self, target_logits: torch.Tensor, drafts: list[int], q: list) -> tuple[int, int]:
+        """(accepted count, next token) from the target logits at positions m..m+depth."""
+        if self.temperature == 0:
+            accepted = 0
+            for i, d in enumerate(drafts):
+                if int(torch.argmax(target_logits[i])) != d:
+                    break
+                accepted += 1
+            return accepted, int(torch.argmax(target_logits[accepted]))
+        for i, d in enumerate(drafts):
+            p = self.probs(target_logits[i])
+            u = float(torch.rand((), generator=self.gen, dtype=torch.float64))
+            if u * float(q[i][d]) < float(p[d]):  # accept with probability min(1, p/q)
+                continue
+            residual = torch.clamp(p - q[i], min=0)
+            residual = residual / residual.sum() if residual.sum() > 0 else p
+            return i, int(torch.multinomial(residual, 1, generator=self.gen))
+        return len(drafts), self.pick(target_logits[len(drafts)])
+
+
+def speculate(target: TargetBackend, drafter: DrafterBackend, prompt_ids: list[int], max_new_tokens: int,
+              depth: int, temperature: float = 0.0, seed: int = 0, stop_ids: tuple[int, ...] = ()) -> SpecResult:
+    """Generate up to `max_new_tokens` with chain drafts of length `depth`."""
+    if depth < 1 or max_new_tokens < 1 or not prompt_ids:
+        raise ValueError("depth and max_new_tokens must be >= 1 and the prompt non-empty")
+    sampler = _Sampler(temperature, seed)
+    target.reset()
+    drafter.reset()
+    logits, taps = target.forward(torch.tensor([prompt_ids]))
+    vocab = logits.shape[-1]
+    seq = list(prompt_ids) + [sampler.pick(logits[0, -1])]
+    result = SpecResult(tokens=[seq[-1]], drafts=[], accepted_per_step=[], depth=depth)
+    while len(result.tokens) < max_new_tokens and seq[-1] not in stop_ids:
+        m, committed = len(seq) - 1, drafter.length
+        draft_logits, fed_back = drafter.forward(torch.tensor([seq[committed + 1:]]),
+                                                 torch.arange(committed, m).unsqueeze(0), taps, True)
+        if result.first_draft_logits is None:
+            result.first_draft_logits = draft_logits[0, -1].detach().clone()
+        drafts, q = [], []
+        for i in range(depth):
+            token, dist = sampler.draft(draft_logits[0, -1], drafter, vocab)
+            drafts.append(token)
+            q.append(dist)
+            if i + 1 < depth:
+                draft_logits, fed_back = drafter.forward(torch.tensor([[token]]), torch.tensor([[m + i]]),
+                                                         fed_back[:, -1:], False)
+        verify_logits, verify_taps = target.forward(torch.tensor([[seq[m]] + drafts]))
+        accepted, bonus = sampler.verify(verify_logits[0], drafts, q)
+        target.truncate(m + accepted + 1)
+        drafter.truncate(m)
+        taps = verify_taps[:, : accepted + 1]
+        new = drafts[:accepted] + [bonus]
+        for stop in stop_ids:  # nothing after a stop token
+            if stop in new:
+                new = new[: new.index(stop) + 1]
+        seq += new
+        result.tokens += new
+        result.drafts.append(drafts)
+        result.accepted_per_step.append(accepted)
+    result.tokens = result.tokens[:max_new_tokens]
+    return result
+
+
+@torch.no_grad()
+def greedy_decode(target: TargetBackend, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The target's own greedy decoding, one token per forward: what speculation must reproduce."""
+    target.reset()
+    logits, _ = target.forward(torch.tensor([prompt_ids]))
+    out = [int(torch.argmax(logits[0, -1]))]
+    while len(out) < max_new_tokens:
+        logits, _ = target.forward(torch.tensor([[out[-1]]]))
+        out.append(int(torch.argmax(logits[0, -1])))
+    return out
