@@ -49,7 +49,9 @@ _register()
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # click returns typer.Exit codes instead of raising here
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except UserError as err:
         if _DEBUG["on"]:
             traceback.print_exc()

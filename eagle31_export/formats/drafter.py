@@ -14,7 +14,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from eagle31_export.config import DrafterConfig
+from eagle31_export.config import ConfigError, DrafterConfig
 from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.drafter_formats import FORMATS, DrafterFormat, detect_format
 from eagle31_export.formats.safetensors_io import (
@@ -87,9 +87,11 @@ def read_drafter(path: str | os.PathLike) -> DrafterCheckpoint:
     fmt = detect_format(raw, list(source))
     try:
         cfg, unknown = fmt.read_config(raw)
+    except CheckpointError:
+        raise
+    except ConfigError as err:
+        raise CheckpointError(f"{path / 'config.json'}: {err}") from None
     except (KeyError, TypeError, ValueError) as err:
-        if isinstance(err, CheckpointError):
-            raise
         raise CheckpointError(f"{path / 'config.json'}: malformed {fmt.name} config ({err!r})") from None
     tensors = RenamedTensors(source, fmt)
     _check_tensors(cfg, tensors, path)

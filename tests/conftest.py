@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random targets and drafters made by code, once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle31_export.fixtures import drafter_config_for, make_target, random_drafter
+from eagle31_export.formats.drafter import write_drafter
+from eagle31_export.formats.target import read_target_info
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def llama_target(tiny_dir) -> Path:
+    return make_target(tiny_dir / "llama", "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama_info(llama_target):
+    return read_target_info(llama_target)
+
+
+@pytest.fixture(scope="session")
+def eagle31_ckpt(llama_info):
+    return random_drafter(drafter_config_for(llama_info, fc_norm=True, norm_output=True), seed=1)
+
+
+@pytest.fixture(scope="session")
+def eagle3_ckpt(llama_info):
+    return random_drafter(drafter_config_for(llama_info), seed=1)
+
+
+@pytest.fixture(scope="session")
+def eagle31_dir(tiny_dir, eagle31_ckpt) -> Path:
+    return write_drafter(eagle31_ckpt, tiny_dir / "eagle31-specforge", "specforge")
+
+
+@pytest.fixture(scope="session")
+def eagle3_dir(tiny_dir, eagle3_ckpt) -> Path:
+    return write_drafter(eagle3_ckpt, tiny_dir / "eagle3-eagle", "eagle")
+
+
+@pytest.fixture(scope="session")
+def fp64_llama(llama_target):
+    """The tiny target in float64: chunked and incremental forwards then agree to ~1e-15, so greedy
+    argmax comparisons are not at the mercy of fp32 rounding."""
+    from eagle31_export.formats.target import load_causal_lm
+
+    return load_causal_lm(llama_target, dtype=torch.float64)

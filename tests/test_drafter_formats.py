@@ -1,0 +1,173 @@
+"""Every drafter format: read -> write -> read is lossless; malformed checkpoints fail with one clear line."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eagle31_export.errors import CheckpointError
+from eagle31_export.fixtures import drafter_config_for, random_drafter
+from eagle31_export.formats.drafter import read_drafter, write_drafter
+from eagle31_export.formats.drafter_formats import FORMATS
+
+ALL = sorted(FORMATS)
+
+
+def _variants(info):
+    return {
+        "eagle3": drafter_config_for(info),
+        "eagle31": drafter_config_for(info, fc_norm=True, norm_output=True, aux_layer_ids=(0, 3, 6)),
+        "k5-residual": drafter_config_for(info, fc_norm=True, aux_layer_ids=(0, 1, 2, 5, 7),
+                                          norm_before_residual=True),
+    }
+
+
+def _assert_same(a, b, skip=()):
+    assert a.config == b.config
+    names = set(a.tensors) - set(skip)
+    assert names == set(b.tensors) - set(skip)
+    for name in names:
+        x, y = a.tensors[name], b.tensors[name]
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("variant", ["eagle3", "eagle31", "k5-residual"])
+def test_round_trip_is_lossless(tmp_path, llama_info, fmt, variant):
+    ckpt = random_drafter(_variants(llama_info)[variant], seed=3)
+    first = read_drafter(write_drafter(ckpt, tmp_path / "a", fmt))
+    assert first.format == fmt
+    assert first.unknown_config_keys == []
+    _assert_same(ckpt, first, skip={"t2d"} if fmt == "modelopt" else ())
+    second = read_drafter(write_drafter(first, tmp_path / "b", fmt))
+    _assert_same(first, second)
+    assert json.loads((tmp_path / "a" / "config.json").read_text()) == json.loads(
+        (tmp_path / "b" / "config.json").read_text())
+
+
+def test_conversion_between_every_pair_of_formats(tmp_path, llama_info):
+    ckpt = random_drafter(drafter_config_for(llama_info, fc_norm=True, norm_output=True, aux_layer_ids=(1, 3, 4)))
+    for src in ALL:
+        for dst in ALL:
+            a = read_drafter(write_drafter(ckpt, tmp_path / f"{src}", src, force=True))
+            b = read_drafter(write_drafter(a, tmp_path / f"{src}-{dst}", dst))
+            assert b.config == ckpt.config, (src, dst)
+            _assert_same(a, b, skip={"t2d"})
+
+
+def test_norm_before_fc_round_trips_where_the_format_has_it(tmp_path, llama_info):
+    ckpt = random_drafter(drafter_config_for(llama_info, norm_before_fc=True))
+    for fmt in ("speculators", "modelopt"):
+        back = read_drafter(write_drafter(ckpt, tmp_path / fmt, fmt))
+        assert back.config.norm_before_fc and "input_norm.weight" in back.tensors
+    with pytest.raises(CheckpointError, match="norm_before_fc"):
+        write_drafter(ckpt, tmp_path / "eagle", "eagle")
+    assert not (tmp_path / "eagle").exists()
+
+
+def test_sharded_checkpoint_reads_like_a_single_file(tmp_path, eagle31_ckpt):
+    write_drafter(eagle31_ckpt, tmp_path / "sharded", "speculators", max_shard_bytes=20_000)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 2
+    _assert_same(eagle31_ckpt, read_drafter(tmp_path / "sharded"))
+
+
+def test_layer_numbering_is_converted_at_the_edge(tmp_path, llama_info):
+    ckpt = random_drafter(drafter_config_for(llama_info, aux_layer_ids=(1, 3, 4)))
+    stored = {}
+    for fmt in ALL:
+        cfg = json.loads((write_drafter(ckpt, tmp_path / fmt, fmt) / "config.json").read_text())
+        stored[fmt] = cfg.get("eagle_aux_hidden_state_layer_ids") or cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert stored["eagle"] == stored["speculators"] == [2, 4, 5]  # vLLM: before layer i
+    assert stored["specforge"] == stored["modelopt"] == [1, 3, 4]  # output of layer i
+
+
+def test_unknown_config_keys_are_reported(tmp_path, eagle31_ckpt):
+    folder = write_drafter(eagle31_ckpt, tmp_path / "d", "specforge")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["mystery_knob"] = 7
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert read_drafter(folder).unknown_config_keys == ["mystery_knob"]
+
+
+def test_use_aux_norm_alias_enables_fc_norm(tmp_path, eagle31_ckpt):
+    folder = write_drafter(eagle31_ckpt, tmp_path / "d", "specforge")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["fc_norm"]
+    cfg["use_aux_norm"] = True
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert read_drafter(folder).config.fc_norm
+
+
+def _edit_tensors(folder, edit):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def test_missing_tensor_names_the_tensor_and_shape(tmp_path, eagle31_ckpt):
+    folder = write_drafter(eagle31_ckpt, tmp_path / "d", "eagle")
+    _edit_tensors(folder, lambda t: t.pop("fc_norm.1.weight"))
+    with pytest.raises(CheckpointError, match=r"'fc_norm.1.weight' missing \(expected shape \[64\]\)"):
+        read_drafter(folder)
+
+
+def test_wrong_shape_names_file_tensor_expected_and_found(tmp_path, eagle31_ckpt):
+    folder = write_drafter(eagle31_ckpt, tmp_path / "d", "eagle")
+    _edit_tensors(folder, lambda t: t.update({"fc.weight": torch.zeros(64, 100)}))
+    with pytest.raises(CheckpointError, match=r"model.safetensors:fc.weight: shape \[64, 100\], expected \[64, 192\]"):
+        read_drafter(folder)
+
+
+def test_fc_norm_weights_without_the_flag_are_refused(tmp_path, eagle31_ckpt):
+    # The silent EAGLE 3.1 -> EAGLE-3 downgrade: weights present, flag dropped from config.json.
+    folder = write_drafter(eagle31_ckpt, tmp_path / "d", "specforge")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["fc_norm"] = False
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unexpected tensors.*fc_norm"):
+        read_drafter(folder)
+
+
+def test_d2t_outside_the_target_vocab_is_refused(tmp_path, eagle31_ckpt):
+    folder = write_drafter(eagle31_ckpt, tmp_path / "d", "eagle")
+
+    def corrupt(t):
+        t["d2t"][-1] = 10_000
+
+    _edit_tensors(folder, corrupt)
+    with pytest.raises(CheckpointError, match="d2t.*outside the vocabulary of 256"):
+        read_drafter(folder)
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path, eagle31_ckpt):
+    folder = write_drafter(eagle31_ckpt, tmp_path / "d", "eagle")
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(CheckpointError, match="pickle.*convert the checkpoint to safetensors"):
+        read_drafter(folder)
+
+
+def test_both_norm_flags_are_refused(tmp_path, eagle31_ckpt):
+    folder = write_drafter(eagle31_ckpt, tmp_path / "d", "speculators")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["norm_before_fc"] = True
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="both fc_norm.*and norm_before_fc"):
+        read_drafter(folder)
+
+
+def test_truncated_safetensors_is_one_clear_error(tmp_path, eagle31_ckpt):
+    folder = write_drafter(eagle31_ckpt, tmp_path / "d", "eagle")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        read_drafter(folder)
+
+
+def test_not_a_drafter_is_one_clear_error(llama_target):
+    with pytest.raises(CheckpointError, match="cannot tell the drafter format"):
+        read_drafter(llama_target)
