@@ -178,6 +178,7 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
     try:
         yield tmp
         write_manifest(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the result is an ordinary folder
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
