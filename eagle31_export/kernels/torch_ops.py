@@ -79,12 +79,13 @@ def _cuda_library_or_warn() -> KernelLibrary | None:
 
 
 def fc_norm_kernel_form(sources: Sequence[torch.Tensor], weight: torch.Tensor, eps: float, has_norm: bool) -> torch.Tensor:
-    """y = sum_i s_i * (W'_i @ a_i), s_i = 1/rms(a_i) (1 without norm), in fp32."""
+    """y = sum_i s_i * (W'_i @ a_i), s_i = 1/rms(a_i) (1 without norm), in fp32 (fp64 stays fp64)."""
     hidden = sources[0].shape[-1]
+    compute = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
     acc = None
     for i, a in enumerate(sources):
-        af = a.float()
-        part = torch.nn.functional.linear(af, weight[:, i * hidden:(i + 1) * hidden].float())
+        af = a.to(compute)
+        part = torch.nn.functional.linear(af, weight[:, i * hidden:(i + 1) * hidden].to(compute))
         if has_norm:
             part = part * torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + eps)
         acc = part if acc is None else acc + part
