@@ -1,0 +1,66 @@
+"""SGLang bundle: the drafter in the SpecForge layout and the exact `sglang.launch_server` flags.
+
+SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` in OUTPUT-of-layer numbering and
+adds one internally (it captures before layer i+1); `fc_norm` (alias `use_aux_norm`) and
+`norm_output` at the top level. Chain drafting: topk 1, num_steps K, num_draft_tokens K+1.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+from eagle31_export.export.triton_bundle import (
+    BUNDLE_FILE,
+    bundle_record,
+    check_parallel,
+    checked_pair,
+    copy_target,
+    write_drafter_files,
+)
+from eagle31_export.errors import UserError
+from eagle31_export.formats.safetensors_io import atomic_output_dir, write_json
+
+ARGS_FILE = "sglang_args.json"
+MLA_PATCH = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3"}
+
+
+def server_args(target: str, drafter_dir: str, k: int, tp: int, pp: int, port: int = 30000) -> list[str]:
+    return ["--model-path", target, "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),
+            "--pp-size", str(pp), "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter_dir,
+            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(k + 1)]
+
+
+def export_sglang(drafter: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike, tp: int = 1,
+                  pp: int = 1, num_steps: int = 3, copy: bool = False, force: bool = False) -> Path:
+    if num_steps < 1:
+        raise UserError(f"--num-steps must be >= 1 (got {num_steps})")
+    pair = checked_pair(drafter, target)
+    cfg = pair.config
+    if cfg.norm_before_fc or cfg.num_layers > 1:
+        raise UserError("SGLang's Eagle3 drafters have one layer and no norm_before_fc; "
+                        "this drafter cannot be served by SGLang as it is (try vLLM)")
+    check_parallel(pair.target_info, cfg, tp, pp)
+    out = Path(out).resolve()
+    with atomic_output_dir(out, force=force) as tmp:
+        write_drafter_files(pair.checkpoint, tmp / "drafter", "specforge", MLA_PATCH if cfg.attention == "mla" else None)
+        target_path = str(out / "target") if copy else str(pair.target)
+        if copy:
+            copy_target(pair.target, tmp / "target")
+        args = server_args(target_path, str(out / "drafter"), num_steps, tp, pp)
+        write_json(tmp / ARGS_FILE, {"module": "sglang.launch_server", "args": args})
+        write_json(tmp / BUNDLE_FILE, bundle_record("sglang", pair, "target" if copy else target_path,
+                                                    num_steps, tp, pp, drafter_format="specforge"))
+        (tmp / "README.md").write_text(f"""# SGLang bundle (EAGLE {cfg.eagle_version} drafter)
+
+```
+python -m sglang.launch_server {shlex.join(args)}
+```
+
+- drafter: `{out / 'drafter'}` in the SpecForge layout
+- tapped target layers (output of layer, `eagle_config.eagle_aux_hidden_state_layer_ids`): {list(pair.aux_layer_ids)}
+- chain drafting: {num_steps} steps, top-k 1, {num_steps + 1} draft tokens per verification
+""")
+    return out
