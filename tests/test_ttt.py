@@ -1,18 +1,14 @@
-"""The tiny pair's training-time-test forward computes exactly what the reference drafter runs
-at inference: otherwise the trained drafters would be trained for a different model."""
-
-import sys
-from pathlib import Path
+"""The teacher-forced chain (used to train the tiny pair and to measure agreement) computes
+exactly what the reference drafter runs at inference: otherwise the drafters would be trained
+for a different model."""
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "tiny"))
-from train import ttt_forward  # noqa: E402
-
-from eagle31_export.fixtures import drafter_config_for, random_drafter  # noqa: E402
-from eagle31_export.reference.attention import KVCache  # noqa: E402
-from eagle31_export.reference.drafter import build_drafter  # noqa: E402
+from eagle31_export.fixtures import drafter_config_for, random_drafter
+from eagle31_export.reference.attention import KVCache
+from eagle31_export.reference.drafter import build_drafter
+from eagle31_export.reference.ttt import ttt_forward
 
 
 @pytest.mark.parametrize("eagle31", [False, True])

@@ -96,3 +96,16 @@ def load_target(path: str | os.PathLike, aux_layer_ids: tuple[int, ...], dtype: 
     from eagle31_export.formats.target import load_causal_lm
 
     return ReferenceTarget(load_causal_lm(path, dtype=dtype, act_quant=act_quant), aux_layer_ids)
+
+
+@torch.no_grad()
+def tapped_forward(target: ReferenceTarget, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache-free forward over a batch [B, T]: logits and the same taps as `forward`."""
+    taps: dict[int, torch.Tensor] = {}
+    handles = [target.layers[i].register_forward_hook(_tap_into(taps, i)) for i in target.aux_layer_ids]
+    try:
+        logits = target.model(input_ids=input_ids, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, torch.cat([taps[i] for i in target.aux_layer_ids], -1)

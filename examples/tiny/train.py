@@ -26,8 +26,8 @@ from corpus import read, split  # noqa: E402
 from eagle31_export.config import DrafterConfig  # noqa: E402
 from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter  # noqa: E402
 from eagle31_export.reference.drafter import Eagle3Drafter  # noqa: E402
-from eagle31_export.reference.rope import apply_rope, cos_sin  # noqa: E402
-from eagle31_export.reference.target import ReferenceTarget  # noqa: E402
+from eagle31_export.reference.target import ReferenceTarget, tapped_forward  # noqa: E402
+from eagle31_export.reference.ttt import ttt_forward  # noqa: E402
 
 VOCAB = 2048
 DRAFT_VOCAB = 1024
@@ -70,10 +70,13 @@ def batches(stream: torch.Tensor, length: int, batch: int, gen: torch.Generator)
         yield torch.stack([stream[s:s + length] for s in starts.tolist()])
 
 
-def cosine_lr(step: int, total: int, peak: float, warmup: int = 50) -> float:
+def cosine_lr(step: int, total: int, peak: float, elapsed: float, budget: float, warmup: int = 30) -> float:
+    """Cosine decay over whichever runs out first, the step count or the time budget, so a run cut
+    short by a slow machine still ends at a low learning rate."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    progress = max((step - warmup) / max(1, total - warmup), elapsed / budget)
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def train_target(stream, steps, minutes, logfile, seed):
@@ -89,7 +92,7 @@ def train_target(stream, steps, minutes, logfile, seed):
     start = time.time()
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, steps, 3e-3)
+            group["lr"] = cosine_lr(step, steps, 3e-3, time.time() - start, minutes * 60)
         x = next(data)
         loss = model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
         opt.zero_grad()
@@ -108,67 +111,12 @@ def ttt_losses(drafter: Eagle3Drafter, target: ReferenceTarget, x: torch.Tensor,
                draft_ids: torch.Tensor) -> list[torch.Tensor]:
     """Soft cross-entropy against the target (restricted to the draft vocabulary), per unrolled step."""
     with torch.no_grad():
-        logits, taps = _batched_target(target, x[:, :-1])
+        logits, taps = tapped_forward(target, x[:, :-1])
         probs = torch.softmax(logits.float(), -1)[..., draft_ids]
         probs = probs / probs.sum(-1, keepdim=True)
     t = x.shape[1] - unroll - 1
     step_logits = ttt_forward(drafter, taps[:, :t], x, unroll)
     return [-(probs[:, 1 + k:1 + k + t] * F.log_softmax(lg, -1)).sum(-1).mean() for k, lg in enumerate(step_logits)]
-
-
-def ttt_forward(drafter: Eagle3Drafter, taps: torch.Tensor, x: torch.Tensor, unroll: int) -> list[torch.Tensor]:
-    """Training-time test: draft logits [B, T, Vd] for each of `unroll` chained steps.
-
-    Step k at chain anchor j sits at position j+k, reads token j+1+k, and attends to the real
-    (step-0) keys at positions <= j plus its own chain's keys from steps 1..k: the same keys the
-    inference-time cache holds when the chain is drafted from position j.
-    """
-    b, t = taps.shape[0], taps.shape[1]
-    layer, cfg = drafter.layers[0], drafter.cfg
-    attn = layer.self_attn
-    hidden = drafter.fuse_taps(taps)
-    keys, values, out_logits = [], [], []
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    scale = attn.head_dim ** -0.5
-    rep = attn.heads // attn.kv_heads
-    for k in range(unroll):
-        emb = drafter.embed_tokens(x[:, 1 + k:1 + k + t])
-        gn = layer.hidden_norm(hidden)
-        residual = gn if cfg.norm_before_residual else hidden
-        u = torch.cat([layer.input_layernorm(emb), gn], -1)
-        q = attn.q_proj(u).view(b, t, attn.heads, attn.head_dim).transpose(1, 2)
-        kk = attn.k_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        cos, sin = cos_sin(torch.arange(t).unsqueeze(0) + k, attn.inv_freq, q.dtype)
-        q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
-        keys.append(kk.repeat_interleave(rep, 1))
-        values.append(v.repeat_interleave(rep, 1))
-        s0 = ((q @ keys[0].transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
-        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]
-        p = torch.softmax(torch.cat([s0, *diag], -1), -1)
-        out = p[..., :t] @ values[0]
-        for i, vj in enumerate(values[1:]):
-            out = out + p[..., t + i:t + i + 1] * vj
-        h1 = residual + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        h = h1 + layer.mlp(layer.post_attention_layernorm(h1))
-        normed = drafter.norm(h)
-        out_logits.append(drafter.lm_head(normed))
-        hidden = normed if cfg.norm_output else h
-    return out_logits
-
-
-def _batched_target(target: ReferenceTarget, x: torch.Tensor):
-    # Training runs the target on whole batches without a cache: plain forward with the same taps.
-    from eagle31_export.reference.target import _tap_into
-
-    taps: dict[int, torch.Tensor] = {}
-    handles = [target.layers[i].register_forward_hook(_tap_into(taps, i)) for i in target.aux_layer_ids]
-    try:
-        logits = target.model(input_ids=x, use_cache=False).logits
-    finally:
-        for h in handles:
-            h.remove()
-    return logits, torch.cat([taps[i] for i in target.aux_layer_ids], -1)
 
 
 def train_drafter(cfg: DrafterConfig, target_model, stream, draft_ids, steps, minutes, unroll, logfile, seed):
@@ -184,7 +132,7 @@ def train_drafter(cfg: DrafterConfig, target_model, stream, draft_ids, steps, mi
     start = time.time()
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, steps, 2e-3)
+            group["lr"] = cosine_lr(step, steps, 2e-3, time.time() - start, minutes * 60)
         losses = ttt_losses(drafter, target, next(data), unroll, draft_ids)
         loss = sum(losses) / len(losses)
         opt.zero_grad()

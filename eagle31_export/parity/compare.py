@@ -1,0 +1,148 @@
+"""Reference vs runtime: run the same prompts through both speculation loops and compare.
+
+Pass rules (defaults in `Thresholds`):
+- greedy: generated tokens identical for every prompt (speculation is lossless, so any
+  difference is a runtime bug, not noise);
+- fp32 runtime, greedy: `accepted_per_step` identical too;
+- fp16/bf16 runtime, greedy: mean tau within `tau_rel_tol` of the reference;
+- sampling: per-position acceptance rates within a binomial confidence bound.
+Each failure is named by its symptom, which points at the usual cause.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from eagle31_export.reference.speculate import SpecResult, speculate
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    tau_rel_tol: float = 0.02
+    logits_atol: float = 1e-3
+    sampling_z: float = 3.0
+
+
+@dataclass
+class PromptRow:
+    prompt_index: int
+    prompt_len: int
+    tokens_identical: bool
+    accepted_identical: bool
+    drafts_identical: bool
+    first_divergent_round: int | None
+    tau_reference: float
+    tau_runtime: float
+    first_logits_max_abs_diff: float | None
+    per_position_reference: list[float]
+    per_position_runtime: list[float]
+    rounds_reference: int
+    rounds_runtime: int
+    symptom: str | None = None
+
+
+@dataclass
+class ParityReport:
+    runtime: str
+    depth: int
+    temperature: float
+    exact: bool
+    thresholds: Thresholds
+    rows: list[PromptRow] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def tau(self, side: str) -> float:
+        values = [getattr(r, f"tau_{side}") for r in self.rows]
+        return sum(values) / max(len(values), 1)
+
+    def to_json(self) -> dict:
+        return {"passed": self.passed, "runtime": self.runtime, "depth": self.depth,
+                "temperature": self.temperature, "exact_comparison": self.exact,
+                "thresholds": asdict(self.thresholds), "tau_reference": self.tau("reference"),
+                "tau_runtime": self.tau("runtime"), "failures": self.failures,
+                "prompts": [asdict(r) for r in self.rows]}
+
+
+def _symptom(ref: SpecResult, run: SpecResult, round_index: int | None) -> str | None:
+    """Name what diverged first; each pattern has a usual cause (FACTS.md sections 1, 2 and 5)."""
+    if ref.tokens != run.tokens and ref.drafts[:1] == run.drafts[:1]:
+        return "target outputs differ while drafts agree: target weights or NVFP4 scales"
+    if round_index is None:
+        return None
+    a, b = ref.drafts[round_index], run.drafts[round_index]
+    if a[0] != b[0]:
+        return ("first draft token differs: tapped layers, fc or fc_norm weights "
+                "(check aux layer numbering and fc_norm)")
+    return "first draft agrees, later drafts differ: fed-back state (pre- vs post-norm feedback, norm_output)"
+
+
+def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResult) -> PromptRow:
+    divergent = next((i for i, (a, b) in enumerate(zip(ref.drafts, run.drafts)) if a != b), None)
+    diff = None
+    if ref.first_draft_logits is not None and run.first_draft_logits is not None:
+        if ref.first_draft_logits.shape == run.first_draft_logits.shape:
+            diff = float((ref.first_draft_logits.double() - run.first_draft_logits.double()).abs().max())
+    return PromptRow(
+        prompt_index=index, prompt_len=len(prompt), tokens_identical=ref.tokens == run.tokens,
+        accepted_identical=ref.accepted_per_step == run.accepted_per_step, drafts_identical=divergent is None,
+        first_divergent_round=divergent, tau_reference=ref.acceptance_length, tau_runtime=run.acceptance_length,
+        first_logits_max_abs_diff=diff, per_position_reference=ref.per_position_acceptance,
+        per_position_runtime=run.per_position_acceptance, rounds_reference=len(ref.accepted_per_step),
+        rounds_runtime=len(run.accepted_per_step), symptom=_symptom(ref, run, divergent),
+    )
+
+
+def run_parity(reference, runtime, prompts: list[list[int]], depth: int, max_new_tokens: int,
+               temperature: float = 0.0, seed: int = 0, exact: bool = True, runtime_name: str = "runtime",
+               thresholds: Thresholds = Thresholds(), on_prompt: Callable[[int], None] | None = None) -> ParityReport:
+    """`reference` and `runtime` are (TargetBackend, DrafterBackend) pairs."""
+    report = ParityReport(runtime_name, depth, temperature, exact, thresholds)
+    for i, prompt in enumerate(prompts):
+        ref = speculate(*reference, prompt, max_new_tokens, depth, temperature, seed + i)
+        run = speculate(*runtime, prompt, max_new_tokens, depth, temperature, seed + i)
+        report.rows.append(compare_prompt(i, prompt, ref, run))
+        if on_prompt:
+            on_prompt(i)
+    report.failures = _failures(report)
+    return report
+
+
+def _failures(report: ParityReport) -> list[str]:
+    out = []
+    if report.temperature == 0:
+        for row in report.rows:
+            if not row.tokens_identical:
+                out.append(f"prompt {row.prompt_index}: generated tokens differ ({row.symptom})")
+            elif report.exact and not row.accepted_identical:
+                out.append(f"prompt {row.prompt_index}: accepted_per_step differs ({row.symptom})")
+        if not report.exact:
+            ref, run = report.tau("reference"), report.tau("runtime")
+            if abs(run - ref) > report.thresholds.tau_rel_tol * ref:
+                out.append(f"tau {run:.3f} vs reference {ref:.3f}: beyond {report.thresholds.tau_rel_tol:.0%}")
+        return out
+    return _sampling_failures(report)
+
+
+def _sampling_failures(report: ParityReport) -> list[str]:
+    """Acceptance at each draft position is a binomial rate over all rounds of all prompts:
+    compare the two sides with a two-proportion z bound."""
+    out = []
+    n_ref = sum(r.rounds_reference for r in report.rows)
+    n_run = sum(r.rounds_runtime for r in report.rows)
+    if not n_ref or not n_run:
+        return ["no speculation rounds to compare"]
+    for pos in range(report.depth):
+        p_ref = sum(r.per_position_reference[pos] * r.rounds_reference for r in report.rows) / n_ref
+        p_run = sum(r.per_position_runtime[pos] * r.rounds_runtime for r in report.rows) / n_run
+        pooled = (p_ref * n_ref + p_run * n_run) / (n_ref + n_run)
+        sigma = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / n_ref + 1 / n_run))
+        if abs(p_ref - p_run) > report.thresholds.sampling_z * sigma:
+            out.append(f"draft position {pos + 1}: acceptance {p_run:.3f} vs reference {p_ref:.3f} "
+                       f"(beyond {report.thresholds.sampling_z:g} sigma over {n_ref}/{n_run} rounds)")
+    return out

@@ -1,0 +1,94 @@
+"""Parity reports: report.json, a ten-second report.md, and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle31_export.parity.compare import ParityReport
+
+
+def write_report(report: ParityReport, folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    (folder / "report.md").write_text(markdown(report))
+    return [folder / "report.json", folder / "report.md", *plots(report, folder)]
+
+
+def markdown(report: ParityReport) -> str:
+    verdict = "PASS" if report.passed else "FAIL"
+    worst = min(report.rows, key=lambda r: (r.tokens_identical, r.accepted_identical,
+                                            -abs(r.tau_runtime - r.tau_reference)), default=None)
+    lines = [
+        f"# Acceptance parity: **{verdict}**",
+        "",
+        f"runtime `{report.runtime}` vs PyTorch reference, depth {report.depth}, "
+        f"temperature {report.temperature}, {len(report.rows)} prompts",
+        "",
+        "| | reference | runtime |",
+        "|---|---|---|",
+        f"| mean tau | {report.tau('reference'):.3f} | {report.tau('runtime'):.3f} |",
+        f"| prompts with identical tokens | {len(report.rows)} | {sum(r.tokens_identical for r in report.rows)} |",
+        f"| prompts with identical accepted_per_step | {len(report.rows)} "
+        f"| {sum(r.accepted_identical for r in report.rows)} |",
+        "",
+    ]
+    if worst is not None:
+        lines += [f"worst prompt: #{worst.prompt_index} (tau {worst.tau_reference:.3f} -> {worst.tau_runtime:.3f}"
+                  + (f"; {worst.symptom}" if worst.symptom else "") + ")", ""]
+    if report.failures:
+        lines += ["## Failures", ""] + [f"- {f}" for f in report.failures] + [""]
+    lines += ["Thresholds: " + ", ".join(f"{k}={v}" for k, v in report.to_json()["thresholds"].items()),
+              "", "Plots: `acceptance_by_position.png`, `tau_per_prompt.png`, `tau_vs_context.png`.", ""]
+    return "\n".join(lines)
+
+
+def plots(report: ParityReport, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    depth = range(1, report.depth + 1)
+    ref = [_pooled(report, "reference", i) for i in range(report.depth)]
+    run = [_pooled(report, "runtime", i) for i in range(report.depth)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(depth, ref, "o-", label="reference")
+    ax.plot(depth, run, "x--", label=report.runtime)
+    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="Acceptance by draft position")
+    ax.legend()
+    paths.append(_save(fig, folder / "acceptance_by_position.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    idx = [r.prompt_index for r in report.rows]
+    ax.bar([i - 0.2 for i in idx], [r.tau_reference for r in report.rows], width=0.4, label="reference")
+    ax.bar([i + 0.2 for i in idx], [r.tau_runtime for r in report.rows], width=0.4, label=report.runtime)
+    ax.set(xlabel="prompt", ylabel="tau (tokens per target forward)", title="Acceptance length per prompt")
+    ax.legend()
+    paths.append(_save(fig, folder / "tau_per_prompt.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.scatter([r.prompt_len for r in report.rows], [r.tau_reference for r in report.rows], label="reference")
+    ax.scatter([r.prompt_len for r in report.rows], [r.tau_runtime for r in report.rows], marker="x",
+               label=report.runtime)
+    ax.set(xlabel="prompt length (tokens)", ylabel="tau", title="Acceptance length vs context length")
+    ax.legend()
+    paths.append(_save(fig, folder / "tau_vs_context.png"))
+    return paths
+
+
+def _pooled(report: ParityReport, side: str, pos: int) -> float:
+    rounds = [getattr(r, f"rounds_{side}") for r in report.rows]
+    rates = [getattr(r, f"per_position_{side}")[pos] for r in report.rows]
+    total = sum(rounds)
+    return sum(a * n for a, n in zip(rates, rounds)) / total if total else 0.0
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
