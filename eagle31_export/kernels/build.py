@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,7 +88,9 @@ def sources_digest(source: Path | None = None) -> str:
 
 
 def find_cmake() -> str:
-    cmake = shutil.which("cmake")
+    """cmake on PATH, else the one the `cmake` wheel put next to this interpreter."""
+    beside_python = Path(sys.executable).parent / "cmake"
+    cmake = shutil.which("cmake") or (str(beside_python) if beside_python.is_file() else None)
     if cmake is None:
         raise MissingRuntimeError("cmake not found: install CMake >= 3.18 (e.g. `pip install cmake` or apt-get install cmake)")
     return cmake
