@@ -1,0 +1,25 @@
+"""`eagle31-export export triton`: a Triton model repository from a serving bundle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(export_app: typer.Typer) -> None:
+    export_app.command("triton")(triton)
+
+
+def triton(
+    bundle: Path = typer.Option(..., "--bundle", help="Folder written by `export trtllm|vllm|sglang`."),
+    out: Path = typer.Option(..., "--out", help="Model repository folder to write."),
+    flavor: str = typer.Option(..., "--flavor", help="trtllm (TensorRT-LLM LLM API) or cpu (reference loop)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
+) -> None:
+    """Triton repository: TensorRT-LLM's LLM-API model (trtllm) or python-backend speculation (cpu)."""
+    from eagle31_export.export.triton import export_triton
+
+    path = export_triton(bundle, out, flavor, force)
+    hint = f"eagle31-export serve {path}" if flavor == "cpu" else f"see {path / 'README.md'}"
+    typer.echo(f"Triton repository written to {path} ({hint})")

@@ -1,0 +1,217 @@
+"""Triton model repositories from a serving bundle.
+
+`trtllm` flavour: TensorRT-LLM's LLM-API repository layout (`tensorrt_llm/config.pbtxt`,
+`1/model.py`, `1/model.yaml` with `backend: pytorch`, parallel sizes, `speculative_config`,
+`triton_config`). Needs tensorrt_llm and a GPU where it is served.
+
+`cpu` flavour: python-backend models that serve the pair through this package's speculation
+loop, on any machine:
+    eagle31_speculate/   decoupled: streams one response per round, statistics in the last
+    eagle31_generate/    plain request/response front (HTTP or gRPC `infer`), via Triton BLS
+The drafter is COPIED into the repository (canonical speculators layout, explicit taps); the
+target is REFERENCED by the path the bundle names (copy it into the bundle with
+`--copy-target` to make both self-contained).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eagle31_export.errors import UserError
+from eagle31_export.export.triton_bundle import read_bundle, read_bundle_drafter, write_drafter_files
+from eagle31_export.formats.safetensors_io import atomic_output_dir, read_json, write_json
+
+FLAVORS = ("trtllm", "cpu")
+SPECULATE_MODEL = "eagle31_speculate"
+GENERATE_MODEL = "eagle31_generate"
+TRTLLM_MODEL = "tensorrt_llm"
+HERE = Path(__file__).parent
+
+# (name, Triton type, dims, optional)
+CPU_INPUTS = [
+    ("input_ids", "TYPE_INT64", [-1], True),
+    ("text_input", "TYPE_STRING", [1], True),
+    ("max_tokens", "TYPE_INT32", [1], True),
+    ("num_draft_tokens", "TYPE_INT32", [1], True),
+    ("stop_token_ids", "TYPE_INT64", [-1], True),
+]
+CPU_OUTPUTS = [
+    ("output_ids", "TYPE_INT64", [-1]),
+    ("text_output", "TYPE_STRING", [1]),
+    ("accepted_per_step", "TYPE_INT32", [-1]),
+    ("acceptance_length", "TYPE_FP32", [1]),
+    ("acceptance_rate", "TYPE_FP32", [1]),
+    ("total_accepted_draft_tokens", "TYPE_INT32", [1]),
+    ("total_draft_tokens", "TYPE_INT32", [1]),
+    ("draft_tokens", "TYPE_INT64", [-1, -1]),
+]
+TRTLLM_INPUTS = [
+    ("text_input", "TYPE_STRING", [-1], False),
+    ("streaming", "TYPE_BOOL", [1], True),
+    ("sampling_param_max_tokens", "TYPE_INT32", [1], True),
+    ("sampling_param_temperature", "TYPE_FP32", [1], True),
+    ("sampling_param_top_k", "TYPE_INT32", [1], True),
+    ("sampling_param_top_p", "TYPE_FP32", [1], True),
+    ("sampling_param_seed", "TYPE_UINT64", [1], True),
+]
+TRTLLM_OUTPUTS = [
+    ("text_output", "TYPE_STRING", [-1]),
+    ("output_ids", "TYPE_INT32", [-1]),
+    ("finish_reason", "TYPE_STRING", [-1]),
+    ("acceptance_rate", "TYPE_FP32", [1]),
+    ("total_accepted_draft_tokens", "TYPE_INT32", [1]),
+    ("total_draft_tokens", "TYPE_INT32", [1]),
+    ("acceptance_length", "TYPE_FP32", [1]),
+]
+
+
+def pbtxt(name: str, inputs: list, outputs: list, decoupled: bool | None, max_batch_size: int | None,
+          parameters: dict[str, str] | None = None, comment: str = "") -> str:
+    """A python-backend config.pbtxt (protobuf text format of inference.ModelConfig)."""
+    lines = [f"# {line}" for line in comment.splitlines()] + [f'name: "{name}"', 'backend: "python"']
+    if max_batch_size is not None:
+        lines.append(f"max_batch_size: {max_batch_size}")
+    if decoupled is not None:
+        lines.append(f"model_transaction_policy {{ decoupled: {'true' if decoupled else 'false'} }}")
+
+    def tensor(n, t, dims, optional=False):
+        opt = " optional: true" if optional else ""
+        return f'  {{ name: "{n}" data_type: {t} dims: [ {", ".join(map(str, dims))} ]{opt} }}'
+
+    lines += ["input ["] + [",\n".join(tensor(*i) for i in inputs)] + ["]"]
+    lines += ["output ["] + [",\n".join(tensor(*o) for o in outputs)] + ["]"]
+    lines.append("instance_group [ { kind: KIND_CPU count: 1 } ]")
+    for key, value in (parameters or {}).items():
+        lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}')
+    return "\n".join(lines) + "\n"
+
+
+def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, flavor: str, force: bool = False) -> Path:
+    if flavor not in FLAVORS:
+        raise UserError(f"unknown --flavor {flavor!r}; choose one of {', '.join(FLAVORS)}")
+    record = read_bundle(bundle)
+    if flavor == "trtllm" and record["kind"] != "trtllm":
+        raise UserError(f"--flavor trtllm needs a bundle from `export trtllm`; {bundle} is a {record['kind']} bundle")
+    out = Path(out)
+    with atomic_output_dir(out, force=force) as tmp:
+        (write_trtllm_repo if flavor == "trtllm" else write_cpu_repo)(record, Path(bundle).resolve(), tmp)
+    return out
+
+
+def write_trtllm_repo(record: dict[str, Any], bundle: Path, repo: Path) -> None:
+    model = repo / TRTLLM_MODEL
+    (model / "1").mkdir(parents=True)
+    options = yaml.safe_load((bundle / record.get("llm_api", "llm_api.yaml")).read_text())
+    model_yaml = {
+        "model": record["target"],
+        "backend": "pytorch",
+        "tensor_parallel_size": options.pop("tensor_parallel_size", record["tensor_parallel_size"]),
+        "pipeline_parallel_size": options.pop("pipeline_parallel_size", record["pipeline_parallel_size"]),
+        **options,  # speculative_config (absolute drafter path), return_perf_metrics
+        # max_batch_size 0: one prompt per request, as TensorRT-LLM's own LLM-API model; batching
+        # happens inside the LLM (in-flight batching), not in Triton.
+        "triton_config": {"max_batch_size": 0, "decoupled": True},
+    }
+    (model / "1" / "model.yaml").write_text(yaml.safe_dump(model_yaml, sort_keys=False))
+    shutil.copyfile(HERE / "triton_trtllm_model.py", model / "1" / "model.py")
+    (model / "config.pbtxt").write_text(pbtxt(
+        TRTLLM_MODEL, TRTLLM_INPUTS, TRTLLM_OUTPUTS, decoupled=None, max_batch_size=None,
+        comment="max_batch_size and decoupled come from 1/model.yaml (triton_config) at load time."))
+    (repo / "README.md").write_text(_trtllm_readme(record, repo))
+
+
+def write_cpu_repo(record: dict[str, Any], bundle: Path, repo: Path) -> None:
+    from eagle31_export.reference.pair import check_pair
+    from eagle31_export.formats.target import read_target_info
+
+    ckpt = read_bundle_drafter(record)
+    problems = check_pair(ckpt, read_target_info(record["target"]))
+    if problems:
+        raise UserError(f"bundle {bundle}: drafter no longer fits target {record['target']}: {problems[0]}")
+    speculate = repo / SPECULATE_MODEL
+    pair = speculate / "1" / "pair"
+    write_drafter_files(ckpt, pair / "drafter", "speculators")
+    write_json(pair / "pair.json", {"target": record["target"], "drafter": "drafter", "dtype": "fp32",
+                                    "max_draft_len": record["max_draft_len"], "bundle": str(bundle),
+                                    "bundle_kind": record["kind"]})
+    shutil.copyfile(HERE / "triton_cpu_model.py", speculate / "1" / "model.py")
+    streaming = ("streaming", "TYPE_BOOL", [1], True)
+    (speculate / "config.pbtxt").write_text(pbtxt(
+        SPECULATE_MODEL, CPU_INPUTS + [streaming], CPU_OUTPUTS, decoupled=True, max_batch_size=0,
+        parameters={"pair_dir": "pair", "default_max_tokens": "64"},
+        comment="EAGLE speculation through the reference loop; decoupled: stream with gRPC."))
+    generate = repo / GENERATE_MODEL
+    (generate / "1").mkdir(parents=True)
+    shutil.copyfile(HERE / "triton_generate_model.py", generate / "1" / "model.py")
+    (generate / "config.pbtxt").write_text(pbtxt(
+        GENERATE_MODEL, CPU_INPUTS, CPU_OUTPUTS, decoupled=False, max_batch_size=0,
+        parameters={"speculation_model": SPECULATE_MODEL},
+        comment=f"Plain request/response front for {SPECULATE_MODEL} (Triton BLS)."))
+    (repo / "README.md").write_text(_cpu_readme(record, repo))
+
+
+def _cpu_readme(record: dict[str, Any], repo: Path) -> str:
+    return f"""# Triton repository (cpu flavour): EAGLE speculation through the reference loop
+
+Serve: `eagle31-export serve {repo.name} --port 8000 --grpc-port 8001` (Triton's python backend runs the
+interpreter first on PATH; `serve` puts this environment's first, so `eagle31_export` is importable).
+
+- `{SPECULATE_MODEL}`: decoupled; with `streaming` true one response per speculation round
+  (`output_ids` = the tokens that round committed), the last one with the statistics.
+  Streaming needs gRPC (`tritonclient.grpc`, `start_stream` / `async_stream_infer`).
+- `{GENERATE_MODEL}`: plain `infer` over HTTP or gRPC; one response with everything.
+
+Inputs: `input_ids` INT64 [-1] or `text_input` STRING [1] (only with a tokenizer next to the target),
+`max_tokens` INT32, `num_draft_tokens` INT32 (default {record['max_draft_len']}), `stop_token_ids` INT64 [-1].
+Outputs: `output_ids`, `text_output` (with a tokenizer), `accepted_per_step`, `acceptance_length` (tau),
+`acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`, `draft_tokens` [rounds, depth].
+Greedy decoding: the tokens equal the target's own greedy output.
+
+Checkpoints: the drafter is copied into `{SPECULATE_MODEL}/1/pair/drafter` (speculators layout, tapped
+layers explicit); the target is referenced by path: `{record['target']}`.
+To run the ONNX Runtime backends instead of PyTorch, set `RUNTIME` in `{SPECULATE_MODEL}/1/model.py`.
+"""
+
+
+def _trtllm_readme(record: dict[str, Any], repo: Path) -> str:
+    return f"""# Triton repository (trtllm flavour): TensorRT-LLM LLM API, PyTorch backend, EAGLE-3 speculation
+
+Needs a GPU machine with `tensorrt_llm` (e.g. NVIDIA's `tritonserver:<xx.yy>-trtllm-python-py3` container):
+
+```
+tritonserver --model-repository {repo.name} --http-address 127.0.0.1 --grpc-address 127.0.0.1
+```
+
+`{TRTLLM_MODEL}/1/model.yaml` holds the LLM arguments (target `{record['target']}`, `backend: pytorch`,
+tensor/pipeline parallel sizes, `speculative_config` with the drafter and the tapped layers) and
+`triton_config` (decoupled: stream with gRPC). Tensor names follow TensorRT-LLM's own LLM-API model:
+`text_input`, `streaming`, `sampling_param_*` in; `text_output`, `acceptance_rate`,
+`total_accepted_draft_tokens`, `total_draft_tokens` (and `acceptance_length`) out.
+"""
+
+
+def load_repository_configs(repo: str | os.PathLike) -> dict[str, Any]:
+    """Every model's config.pbtxt parsed as Triton's ModelConfig protobuf (needs tritonclient)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    configs = {}
+    for path in sorted(Path(repo).glob("*/config.pbtxt")):
+        configs[path.parent.name] = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    return configs
+
+
+def repository_kind(repo: str | os.PathLike) -> str:
+    """'cpu' or 'trtllm' for a repository written here; raises for anything else."""
+    repo = Path(repo)
+    if (repo / SPECULATE_MODEL / "1" / "pair" / "pair.json").is_file():
+        read_json(repo / SPECULATE_MODEL / "1" / "pair" / "pair.json")
+        return "cpu"
+    if (repo / TRTLLM_MODEL / "1" / "model.yaml").is_file():
+        return "trtllm"
+    raise UserError(f"{repo}: not a model repository written by `eagle31-export export triton`")

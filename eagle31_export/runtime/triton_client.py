@@ -1,0 +1,106 @@
+"""Clients for the `cpu` Triton repository: plain (HTTP `infer`) and streaming (gRPC stream).
+
+    result = generate("127.0.0.1:8000", [1, 2, 3], max_tokens=16)
+    for chunk in stream("127.0.0.1:8001", [1, 2, 3], max_tokens=16): ...
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from eagle31_export.export.triton import GENERATE_MODEL, SPECULATE_MODEL
+
+STAT_NAMES = ("accepted_per_step", "acceptance_length", "acceptance_rate", "total_accepted_draft_tokens",
+              "total_draft_tokens", "draft_tokens")
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    text: str | None = None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def accepted_per_step(self) -> list[int]:
+        return [int(a) for a in self.stats.get("accepted_per_step", [])]
+
+    @property
+    def acceptance_length(self) -> float:
+        return float(self.stats["acceptance_length"][0])
+
+
+def _inputs(module, prompt: list[int] | str, max_tokens: int, depth: int | None, streaming: bool | None):
+    tensors = []
+
+    def add(name, array, dtype):
+        t = module.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        tensors.append(t)
+
+    if isinstance(prompt, str):
+        add("text_input", np.asarray([prompt.encode("utf-8")], dtype=np.object_), "BYTES")
+    else:
+        add("input_ids", np.asarray(prompt, dtype=np.int64), "INT64")
+    add("max_tokens", np.asarray([max_tokens], dtype=np.int32), "INT32")
+    if depth is not None:
+        add("num_draft_tokens", np.asarray([depth], dtype=np.int32), "INT32")
+    if streaming is not None:
+        add("streaming", np.asarray([streaming]), "BOOL")
+    return tensors
+
+
+def _collect(result, into: Generation) -> list[int]:
+    """Append one response's tokens/text/statistics to `into`; return the new tokens."""
+    ids = result.as_numpy("output_ids")
+    new = [int(t) for t in ids] if ids is not None else []
+    into.tokens += new
+    text = result.as_numpy("text_output")
+    if text is not None:
+        into.text = (into.text or "") + b"".join(text).decode("utf-8")
+    for name in STAT_NAMES:
+        value = result.as_numpy(name)
+        if value is not None:
+            into.stats[name] = value.tolist()
+    return new
+
+
+def generate(http_url: str, prompt: list[int] | str, max_tokens: int = 32, depth: int | None = None,
+             model: str = GENERATE_MODEL) -> Generation:
+    """One plain HTTP request; one response with every token and the statistics."""
+    import tritonclient.http as httpclient
+
+    with httpclient.InferenceServerClient(http_url) as client:
+        result = client.infer(model, _inputs(httpclient, prompt, max_tokens, depth, None))
+    out = Generation([])
+    _collect(result, out)
+    return out
+
+
+def stream(grpc_url: str, prompt: list[int] | str, max_tokens: int = 32, depth: int | None = None,
+           model: str = SPECULATE_MODEL, timeout: float = 120.0) -> Iterator[tuple[list[int], Generation]]:
+    """Stream over gRPC: yields (new tokens, everything so far) per response, the last with statistics."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer(model, _inputs(grpcclient, prompt, max_tokens, depth, True),
+                                  enable_empty_final_response=True)
+        so_far = Generation([])
+        while True:
+            result, error = responses.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(f"{model}: {error}")
+            final = result.get_response().parameters.get("triton_final_response")
+            if result.get_response().outputs:
+                yield _collect(result, so_far), so_far
+            if final is not None and final.bool_param:
+                return
+    finally:
+        client.stop_stream()
+        client.close()
