@@ -33,10 +33,16 @@ def select_backends(pair_dir: str | os.PathLike, runtime: str = "reference") -> 
         pair = load_pair(drafter, target, dtype=DTYPES[spec.get("dtype", "fp32")])
         return pair.target, pair.drafter
     if runtime == "onnxruntime":
-        # ONNX Runtime backends run the graphs of `eagle31-export export onnx`, kept in `onnx/`.
-        from eagle31_export.runtime import onnxruntime as ort_runtime
+        # ONNX Runtime backends run the graphs of `eagle31-export export onnx --drafter D --target T
+        # --out pair/onnx`, kept next to pair.json.
+        from eagle31_export.runtime.onnxruntime import OnnxExport, OrtDrafterBackend, OrtTargetBackend
 
-        return ort_runtime.load_backends(pair_dir / spec.get("onnx", "onnx"))
+        onnx_dir = pair_dir / spec.get("onnx", "onnx")
+        if not onnx_dir.is_dir():
+            raise UserError(f"{onnx_dir}: no ONNX export; run `eagle31-export export onnx --out {onnx_dir}` "
+                            "with this pair's drafter and target first")
+        export = OnnxExport.open(onnx_dir)
+        return OrtTargetBackend(export), OrtDrafterBackend(export)
     raise UserError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
 
 
