@@ -1,4 +1,4 @@
-"""`eagle31-export speculate`: run the reference speculation loop and print tokens and statistics."""
+"""`eagle31-export speculate`: run the speculation loop (PyTorch reference or ONNX Runtime) and print tokens and statistics."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def encode_prompt(target: Path, prompt: str) -> list[int]:
 
 
 def speculate(
-    drafter: Path = typer.Option(..., "--drafter", help="Drafter checkpoint folder."),
-    target: Path = typer.Option(..., "--target", help="Target checkpoint folder."),
+    drafter: Optional[Path] = typer.Option(None, "--drafter", help="Drafter checkpoint folder (reference runtime)."),
+    target: Optional[Path] = typer.Option(None, "--target", help="Target checkpoint folder (reference runtime; with "
+                                                                 "onnxruntime, when the export has no target graph)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text (needs a tokenizer next to the target)."),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt token ids, used as given: 1,2,3."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
@@ -48,16 +49,22 @@ def speculate(
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
     act_quant: bool = typer.Option(False, "--act-quant/--no-act-quant", help="NVFP4 targets: emulate W4A4."),
     as_json: bool = typer.Option(False, "--json"),
+    runtime: str = typer.Option("reference", "--runtime", help="reference (PyTorch) or onnxruntime."),
+    onnx_dir: Optional[Path] = typer.Option(None, "--onnx", help="Folder written by `export onnx` (--runtime onnxruntime)."),
+    chain: bool = typer.Option(False, "--chain/--no-chain", help="onnxruntime: draft with the exported chain graph "
+                                                                 "(one call per round; temperature 0 only)."),
 ) -> None:
-    """Chain speculative decoding with the PyTorch reference; prints tokens and acceptance statistics."""
-    from eagle31_export.reference.pair import load_pair
+    """Chain speculative decoding (PyTorch reference or exported ONNX graphs); prints tokens and acceptance statistics."""
     from eagle31_export.reference.speculate import speculate as run
 
     if (prompt is None) == (prompt_ids is None):
         raise UserError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if prompt is not None and target is None:
+        raise UserError("--prompt needs --target (for its tokenizer); or pass --prompt-ids")
     ids = parse_prompt_ids(prompt_ids) if prompt_ids is not None else encode_prompt(target, prompt)
-    pair = load_pair(drafter, target, dtype=parse_dtype(dtype), act_quant=act_quant)
-    result = run(pair.target, pair.drafter, ids, max_new_tokens, depth, temperature, seed)
+    target_backend, drafter_backend = _backends(runtime, drafter, target, onnx_dir, chain, temperature,
+                                                parse_dtype(dtype), act_quant)
+    result = run(target_backend, drafter_backend, ids, max_new_tokens, depth, temperature, seed)
     if as_json:
         print_json(result.to_json())
         return
@@ -66,3 +73,33 @@ def speculate(
     console.print(f"rounds: {len(result.accepted_per_step)}  accepted per round: {result.accepted_per_step}")
     console.print(f"acceptance length (tau): {result.acceptance_length:.3f}")
     console.print("per-position acceptance: " + ", ".join(f"{r:.2f}" for r in result.per_position_acceptance))
+
+
+def _backends(runtime, drafter, target, onnx_dir, chain, temperature, dtype, act_quant):
+    """(target, drafter) backends for the one speculation loop."""
+    if runtime == "reference":
+        if drafter is None or target is None:
+            raise UserError("--runtime reference needs --drafter and --target")
+        if onnx_dir is not None or chain:
+            raise UserError("--onnx / --chain apply to --runtime onnxruntime")
+        from eagle31_export.reference.pair import load_pair
+
+        pair = load_pair(drafter, target, dtype=dtype, act_quant=act_quant)
+        return pair.target, pair.drafter
+    if runtime != "onnxruntime":
+        raise UserError(f"unknown --runtime {runtime!r}; choose reference or onnxruntime")
+    if onnx_dir is None:
+        raise UserError("--runtime onnxruntime needs --onnx DIR (the output of `eagle31-export export onnx`)")
+    if chain and temperature != 0:
+        raise UserError("--chain drafts greedily; use --temperature 0 or drop --chain")
+    from eagle31_export.runtime.onnxruntime import load_backends
+
+    target_backend, drafter_backend = load_backends(onnx_dir, chain=chain)
+    if target_backend is None:  # drafter graphs only: verify with the reference target
+        if target is None:
+            raise UserError(f"{onnx_dir} has no target graph; pass --target for the reference target")
+        from eagle31_export.reference.target import load_target
+
+        target_backend = load_target(target, tuple(drafter_backend.export.meta["drafter"]["aux_layer_ids"]),
+                                     dtype=dtype, act_quant=act_quant)
+    return target_backend, drafter_backend

@@ -1,0 +1,46 @@
+"""`eagle31-export export onnx`: drafter (and target) graphs with EAGLE 3.1 plugin nodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from eagle31_export.cli.common import parse_dtype
+from eagle31_export.errors import MissingRuntimeError
+
+
+def register(export_app: typer.Typer) -> None:
+    export_app.command("onnx")(onnx_cmd)
+
+
+def onnx_cmd(
+    drafter: Path = typer.Option(..., "--drafter", help="Drafter checkpoint folder (any supported format)."),
+    target: Optional[Path] = typer.Option(None, "--target", help="Target checkpoint folder: also exports target.onnx "
+                                                                 "(and supplies the drafter's embeddings / lm_head)."),
+    out: Path = typer.Option(..., "--out", help="Folder to write."),
+    flavor: str = typer.Option("onnxruntime", "--flavor", help="NVFP4 target weights: tensorrt (FLOAT4E2M1 + "
+                                                               "DequantizeLinear) or onnxruntime (packed uint8 + local function)."),
+    chain_depth: Optional[int] = typer.Option(None, "--chain-depth", min=1,
+                                              help="Also export the greedy depth-N chain as one graph."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Compute dtype of the graphs: fp32, fp16 or bf16."),
+    max_positions: Optional[int] = typer.Option(None, "--max-positions", min=1,
+                                                help="Rows of the rope tables (default: max_position_embeddings)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
+) -> None:
+    """ONNX graphs of one drafter step (first / next), optionally the whole chain and the target."""
+    try:
+        from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
+    except ModuleNotFoundError as err:
+        if err.name not in ("onnx", "onnxscript"):
+            raise
+        raise MissingRuntimeError("the onnx package is not installed; pip install onnx") from None
+
+    options = OnnxExportOptions(flavor=flavor, chain_depth=chain_depth, dtype=parse_dtype(dtype),
+                                max_positions=max_positions)
+    console = Console(stderr=True)
+    with console.status("exporting ONNX graphs"):
+        path = export_onnx(drafter, out, target, options, force=force)
+    typer.echo(f"ONNX graphs written to {path} (inputs/outputs in {path / 'graphs.json'})")

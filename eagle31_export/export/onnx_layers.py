@@ -1,0 +1,128 @@
+"""Transformer pieces shared by the drafter and target graphs, in standard ONNX ops.
+
+Each function mirrors one reference computation (`reference/ops.py`, `reference/attention.py`,
+`reference/rope.py`) and takes / returns value names of a `GraphBuilder`.
+
+Layout conventions: activations [B, T, H]; per-head tensors [B, heads, T, dim]; KV cache
+[B, kv_heads, S, dim] (the reference `KVCache` and transformers' cache use the same).
+Linear weights are stored transposed, [in, out], so that a linear layer is one MatMul.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx import TensorProto
+
+from eagle31_export.errors import UserError
+from eagle31_export.export.onnx_graph import GraphBuilder
+
+FLOAT = TensorProto.FLOAT
+
+
+def rms_norm(g: GraphBuilder, x: str, weight: str | None, eps: float) -> str:
+    """HF RMSNorm: normalise in fp32, round back to the input type, then scale by the weight."""
+    xf = g.op("Cast", x, to=FLOAT)
+    ms = g.op("ReduceMean", g.op("Mul", xf, xf), g.const([-1]), keepdims=1)
+    inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, g.const(eps, np.float32))))
+    normed = g.op("CastLike", g.op("Mul", xf, inv), x)
+    return normed if weight is None else g.op("Mul", weight, normed)
+
+
+def activation(g: GraphBuilder, x: str, kind: str) -> str:
+    if kind == "silu":
+        return g.op("Mul", x, g.op("Sigmoid", x))
+    if kind in ("gelu", "gelu_pytorch_tanh"):
+        return g.op("Gelu", x, approximate="tanh" if kind == "gelu_pytorch_tanh" else "none")
+    if kind == "relu":
+        return g.op("Relu", x)
+    raise UserError(f"activation {kind!r} has no ONNX lowering here (supported: silu, gelu, gelu_pytorch_tanh, relu)")
+
+
+def gated_mlp(g: GraphBuilder, x: str, linear, prefix: str, act: str) -> str:
+    """down(act(gate(x)) * up(x)); `linear(g, x, name)` applies the weight named `name`."""
+    with g.scope(prefix):
+        gate = activation(g, linear(g, x, f"{prefix}.gate_proj"), act)
+        return linear(g, g.op("Mul", gate, linear(g, x, f"{prefix}.up_proj")), f"{prefix}.down_proj")
+
+
+# ---- positions, masks, rope -------------------------------------------------------------------
+
+def seq_len(g: GraphBuilder, ids: str) -> str:
+    """T of [B, T] ids, as a 1-element int64 tensor."""
+    return g.op("Shape", ids, start=1, end=2)
+
+
+def past_len(g: GraphBuilder, past_key: str) -> str:
+    """S of a [B, heads, S, dim] cache tensor, as a 1-element int64 tensor."""
+    return g.op("Shape", past_key, start=2, end=3)
+
+
+def causal_mask(g: GraphBuilder, past: str, new: str) -> str:
+    """Additive fp32 mask [T, P+T]: query j sees every cached key and the new keys up to j.
+
+    As `reference.attention.causal_mask`: from cache lengths, not from position ids.
+    """
+    with g.scope("causal_mask"):
+        total = g.op("Add", past, new)
+        zero, one = g.const(0), g.const(1)
+        key_idx = g.op("Range", zero, g.op("Squeeze", total, g.const([0])), one)
+        query_idx = g.op("Range", g.op("Squeeze", past, g.const([0])), g.op("Squeeze", total, g.const([0])), one)
+        allowed = g.op("LessOrEqual", key_idx, g.op("Unsqueeze", query_idx, g.const([1])))
+        return g.op("Where", allowed, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
+
+
+def rope_tables(g: GraphBuilder, cos_table: str, sin_table: str, positions: str) -> tuple[str, str]:
+    """Gather cos/sin rows [max_pos, dim] by position ids [B, T] -> [B, 1, T, dim] (broadcast over heads).
+
+    Tables are precomputed at export time exactly as the reference computes them (float64 angles,
+    rounded once), so ONNX Runtime sees bit-identical rotations.
+    """
+    with g.scope("rope"):
+        axis1 = g.const([1])
+        return (g.op("Unsqueeze", g.op("Gather", cos_table, positions), axis1),
+                g.op("Unsqueeze", g.op("Gather", sin_table, positions), axis1))
+
+
+def apply_rope(g: GraphBuilder, x: str, cos: str, sin: str, dim: int) -> str:
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])."""
+    first, second = g.op("Split", x, g.const([dim // 2, dim // 2]), outputs=2, axis=-1)
+    rotated = g.op("Concat", g.op("Neg", second), first, axis=-1)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+def split_heads(g: GraphBuilder, x: str, heads: int, dim: int) -> str:
+    """[B, T, heads*dim] -> [B, heads, T, dim]."""
+    return g.op("Transpose", g.op("Reshape", x, g.const([0, 0, heads, dim])), perm=[0, 2, 1, 3])
+
+
+def merge_heads(g: GraphBuilder, x: str, heads: int, dim: int) -> str:
+    """[B, heads, T, dim] -> [B, T, heads*dim]."""
+    return g.op("Reshape", g.op("Transpose", x, perm=[0, 2, 1, 3]), g.const([0, 0, heads * dim]))
+
+
+def attention(g: GraphBuilder, q: str, k: str, v: str, mask: str, heads: int, kv_heads: int,
+              qk_dim: int, v_dim: int, scale: float | None = None) -> str:
+    """Causal (grouped-query) attention over the whole cache; returns [B, T, heads*v_dim].
+
+    Query heads are grouped per KV head ([B, kv, rep*T, dim]) instead of repeating K/V: the same
+    result as `repeat_interleave` + SDPA without materialising repeated keys. Scores are
+    softmaxed in fp32 (as transformers' eager attention does), then rounded to the input type.
+    """
+    if heads % kv_heads:
+        raise UserError(f"{heads} attention heads are not a multiple of {kv_heads} KV heads")
+    rep = heads // kv_heads
+    scale = scale if scale is not None else 1.0 / math.sqrt(qk_dim)
+    with g.scope("attention"):
+        grouped = g.op("Reshape", q, g.const([0, kv_heads, -1, qk_dim])) if rep > 1 else q
+        scores = g.op("MatMul", grouped, g.op("Transpose", k, perm=[0, 1, 3, 2]))
+        scores = g.op("Mul", g.op("Cast", scores, to=FLOAT), g.const(scale, np.float32))
+        full_mask = g.op("Tile", mask, g.const([rep, 1])) if rep > 1 else mask
+        probs = g.op("CastLike", g.op("Softmax", g.op("Add", scores, full_mask), axis=-1), q)
+        out = g.op("MatMul", probs, v)
+        if rep > 1:
+            out = g.op("Reshape", out, g.const([0, heads, -1, v_dim]))
+        return merge_heads(g, out, heads, v_dim)

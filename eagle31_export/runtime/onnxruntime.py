@@ -1,0 +1,215 @@
+"""ONNX Runtime (CPU) sessions over an `export onnx` folder, as speculation-loop backends.
+
+`OrtTargetBackend`, `OrtDrafterBackend` and `OrtChainDrafterBackend` implement the
+`TargetBackend` / `DrafterBackend` protocols of `reference.speculate`, so the ONE speculation loop
+runs the exported graphs exactly as it runs the reference: same drafts, same verification.
+
+Each backend keeps its KV cache as numpy arrays [B, heads, S, dim], feeds them as `past_*`,
+stores the returned `present_*`, and crops them on `truncate` (rejected drafts).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eagle31_export.errors import MissingRuntimeError, UserError
+from eagle31_export.formats.safetensors_io import read_json
+
+_NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+@dataclass
+class OnnxExport:
+    """An `export onnx` output folder and its graphs.json."""
+
+    folder: Path
+    meta: dict
+
+    @classmethod
+    def open(cls, folder: str | os.PathLike) -> "OnnxExport":
+        folder = Path(folder)
+        if not (folder / "graphs.json").is_file():
+            raise UserError(f"{folder}: no graphs.json; pass a folder written by `eagle31-export export onnx`")
+        meta = read_json(folder / "graphs.json")
+        if meta.get("format") != "eagle31-export/onnx":
+            raise UserError(f"{folder}/graphs.json: not an eagle31-export ONNX export")
+        return cls(folder, meta)
+
+    @property
+    def has_target(self) -> bool:
+        return "target" in self.meta
+
+    @property
+    def np_dtype(self):
+        try:
+            return _NUMPY_DTYPES[self.meta["dtype"]]
+        except KeyError:
+            raise UserError(f"{self.folder}: {self.meta['dtype']} graphs do not run on ONNX Runtime's CPU provider "
+                            "(no bf16 kernels); export with --dtype fp32 or fp16 for it") from None
+
+    def session(self, file: str, threads: int | None = None):
+        try:
+            import onnxruntime as ort
+        except ModuleNotFoundError:
+            raise MissingRuntimeError("onnxruntime is not installed; pip install onnxruntime") from None
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.log_severity_level = 3  # warnings about unused initializers etc. are noise here
+        return ort.InferenceSession(str(self.folder / file), opts, providers=["CPUExecutionProvider"])
+
+
+class _Cache:
+    """Per-layer KV arrays [B, heads, S, dim]."""
+
+    def __init__(self, kv: dict, dtype):
+        self.kv, self.dtype = kv, dtype
+        self.reset()
+
+    def reset(self) -> None:
+        empty = lambda dim: np.zeros((1, self.kv["heads"], 0, dim), self.dtype)  # noqa: E731
+        self.keys = [empty(self.kv["key_dim"]) for _ in range(self.kv["layers"])]
+        self.values = [empty(self.kv["value_dim"]) for _ in range(self.kv["layers"])]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        out = {}
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            out[f"past_key_{i}"], out[f"past_value_{i}"] = k, v
+        return out
+
+    def update(self, outputs: dict[str, np.ndarray]) -> None:
+        self.keys = [outputs[f"present_key_{i}"] for i in range(len(self.keys))]
+        self.values = [outputs[f"present_value_{i}"] for i in range(len(self.values))]
+
+    def crop(self, length: int) -> None:
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+
+
+def _run(session, feeds: dict) -> dict[str, np.ndarray]:
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds)))
+
+
+def _ids(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.int64).numpy()
+
+
+class OrtTargetBackend:
+    """`TargetBackend` over target.onnx: logits and tapped states per forward, KV cache kept here."""
+
+    def __init__(self, export: OnnxExport, threads: int | None = None):
+        if not export.has_target:
+            raise UserError(f"{export.folder}: no target graph; export with --target or run the reference target")
+        meta = export.meta["target"]
+        self.session = export.session(meta["file"], threads)
+        self.cache = _Cache(meta["kv_cache"], export.np_dtype)
+        self.aux_layer_ids = tuple(meta["aux_layer_ids"])
+        self.vocab_size = meta["vocab_size"]
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, t = self.cache.length, input_ids.shape[1]
+        positions = np.arange(start, start + t, dtype=np.int64)[None].repeat(input_ids.shape[0], 0)
+        out = _run(self.session, {"input_ids": _ids(input_ids), "position_ids": positions, **self.cache.feeds()})
+        self.cache.update(out)
+        return torch.from_numpy(out["logits"]), torch.from_numpy(out["aux_hidden_states"])
+
+    def truncate(self, length: int) -> None:
+        self.cache.crop(length)
+
+
+class OrtDrafterBackend:
+    """`DrafterBackend` over drafter_first.onnx (tapped states in) and drafter_next.onnx (fed-back state in)."""
+
+    def __init__(self, export: OnnxExport, threads: int | None = None):
+        from safetensors.torch import load_file
+
+        meta = export.meta["drafter"]
+        self.export, self.dtype = export, export.np_dtype
+        self.first = export.session(meta["graphs"]["first"]["file"], threads)
+        self.next = export.session(meta["graphs"]["next"]["file"], threads)
+        self.cache = _Cache(meta["kv_cache"], self.dtype)
+        self.d2t = load_file(str(export.folder / meta["d2t"]))["d2t"]
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def forward(self, input_ids, positions, hidden, hidden_is_aux):
+        session, name = (self.first, "aux_hidden_states") if hidden_is_aux else (self.next, "hidden_states")
+        feeds = {"input_ids": _ids(input_ids), "position_ids": _ids(positions),
+                 name: hidden.detach().float().numpy().astype(self.dtype), **self.cache.feeds()}
+        out = _run(session, feeds)
+        self.cache.update(out)
+        return torch.from_numpy(out["logits"]), torch.from_numpy(out["fed_back_hidden"])
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def truncate(self, length: int) -> None:
+        self.cache.crop(length)
+
+
+class OrtChainDrafterBackend(OrtDrafterBackend):
+    """`DrafterBackend` over drafter_chain.onnx: the whole greedy chain runs in the first call.
+
+    The loop still asks for steps 2..n one at a time; those calls return the logits the chain
+    already computed, after checking that the loop fed back exactly the chain's own draft (it
+    does under greedy decoding; sampling would diverge, which is refused rather than faked).
+    The chain returns the cache after its first step only: the loop crops the drafter cache to the
+    committed positions after every round anyway.
+    """
+
+    def __init__(self, export: OnnxExport, threads: int | None = None):
+        super().__init__(export, threads)
+        chain = export.meta["drafter"]["graphs"].get("chain")
+        if chain is None:
+            raise UserError(f"{export.folder}: no chain graph; export with --chain-depth N")
+        self.chain, self.depth = export.session(chain["file"], threads), int(chain["depth"])
+        self._logits, self._drafts, self._step, self._position = None, None, 0, 0
+
+    def forward(self, input_ids, positions, hidden, hidden_is_aux):
+        if hidden_is_aux:
+            feeds = {"input_ids": _ids(input_ids), "position_ids": _ids(positions),
+                     "aux_hidden_states": hidden.detach().float().numpy().astype(self.dtype), **self.cache.feeds()}
+            out = _run(self.chain, feeds)
+            self.cache.update(out)
+            self._logits, self._drafts = torch.from_numpy(out["draft_logits"]), out["draft_token_ids"]
+            self._step, self._position = 1, int(positions[0, -1])
+        else:
+            if self._step >= self.depth:
+                raise UserError(f"the chain graph drafts {self.depth} tokens per round; run with --depth <= {self.depth}")
+            token, position = int(input_ids[0, -1]), int(positions[0, -1])
+            if token != int(self._drafts[0, self._step - 1]) or position != self._position + self._step:
+                raise UserError("the chain graph drafts greedily: it can only serve temperature 0 "
+                                "(use the single-step graphs for sampling)")
+            self._step += 1
+        # No fed-back state leaves the chain graph; the loop only hands it back to this backend.
+        return self._logits[:, self._step - 1: self._step], torch.empty(1, 1, 0)
+
+
+def load_backends(folder: str | os.PathLike, chain: bool = False, threads: int | None = None):
+    """(target backend or None when the export has no target graph, drafter backend)."""
+    export = OnnxExport.open(folder)
+    drafter = (OrtChainDrafterBackend if chain else OrtDrafterBackend)(export, threads)
+    target = OrtTargetBackend(export, threads) if export.has_target else None
+    return target, drafter

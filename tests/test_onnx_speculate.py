@@ -1,0 +1,240 @@
+"""The exported graphs in THE speculation loop (ONNX Runtime backends) against the reference:
+identical drafts, accepted_per_step and tokens; every forward's logits within 1e-4.
+
+Random-weight drafters accept almost nothing, which would leave the accept / crop paths of both
+caches untested. `accepting_pair` builds a pair that accepts often and unevenly, from real
+graphs: a "nearly bigram" target (attention and MLP outputs scaled down, so the next token
+depends mostly, not only, on the current one) and a drafter wired to predict that bigram
+(attention that looks mostly at its own position, the target's norm and lm_head). The fed-back
+state then perturbs later drafts, so acceptance varies between rounds and with `norm_output`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from eagle31_export.cli.main import main
+from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
+from eagle31_export.fixtures import drafter_config_for, make_target, random_drafter
+from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter
+from eagle31_export.formats.target import load_causal_lm, read_target_info
+from eagle31_export.reference.pair import load_pair
+from eagle31_export.reference.speculate import speculate
+from eagle31_export.runtime.onnxruntime import load_backends
+
+PROMPTS = ([1, 5, 9, 13], [200, 3, 77, 41, 8], [17, 17, 4])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models: one intra-op thread is faster, and far faster on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Recorder:
+    """Wraps a backend and keeps every forward's outputs, to compare two runs call by call."""
+
+    def __init__(self, backend):
+        self.backend, self.calls = backend, []
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def forward(self, *args):
+        out = self.backend.forward(*args)
+        self.calls.append([t.detach().float().clone() for t in out])
+        return out
+
+
+def assert_same_run(ref_target, ref_drafter, ort_target, ort_drafter, prompt, depth, chain=False):
+    """Same tokens, drafts and acceptance; every target call's logits and taps, and every drafter
+    call's logits and fed-back state, within 1e-4 (the chain only returns last-position logits)."""
+    runs = []
+    for target, drafter in ((ref_target, ref_drafter), (ort_target, ort_drafter)):
+        target, drafter = Recorder(target), Recorder(drafter)
+        runs.append((speculate(target, drafter, prompt, 20, depth), target.calls, drafter.calls))
+    (want, want_t, want_d), (got, got_t, got_d) = runs
+    assert got.drafts == want.drafts
+    assert got.accepted_per_step == want.accepted_per_step
+    assert got.tokens == want.tokens
+    for calls_got, calls_want, is_chain in ((got_t, want_t, False), (got_d, want_d, chain)):
+        assert len(calls_got) == len(calls_want)
+        for g, w in zip(calls_got, calls_want):
+            if is_chain:
+                torch.testing.assert_close(g[0][:, -1], w[0][:, -1], atol=1e-4, rtol=0)
+                continue
+            torch.testing.assert_close(g[0], w[0], atol=1e-4, rtol=0)  # logits
+            torch.testing.assert_close(g[1], w[1], atol=1e-4, rtol=0)  # taps / fed-back state
+    return want
+
+
+def nearly_bigram_target(folder, dtype=torch.float32):
+    model = load_causal_lm(make_target(folder / "random", "llama", seed=0))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.03)
+            layer.mlp.down_proj.weight.mul_(0.03)
+    model.to(dtype).save_pretrained(folder / "target", safe_serialization=True)
+    return folder / "target", model
+
+
+def bigram_drafter(folder, info, model, eagle31: bool):
+    h = info.hidden_size
+    cfg = drafter_config_for(info, fc_norm=eagle31, norm_output=eagle31, draft_vocab_size=info.vocab_size,
+                             num_key_value_heads=info.num_attention_heads, attention_bias=True)
+    t = dict(random_drafter(cfg, seed=1).tensors)
+    attn = "layers.0.self_attn."
+    t["fc.weight"] = 0.01 * t["fc.weight"]
+    for proj in ("q_proj", "k_proj"):  # constant queries/keys: rope makes each position prefer itself
+        t[attn + proj + ".weight"] = torch.zeros_like(t[attn + proj + ".weight"])
+        t[attn + proj + ".bias"] = torch.full_like(t[attn + proj + ".bias"], 5.0)
+    t[attn + "v_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], 1)  # the token embedding half
+    t[attn + "v_proj.bias"] = torch.zeros(h)
+    t[attn + "o_proj.weight"] = torch.eye(h)
+    t["layers.0.input_layernorm.weight"] = torch.ones(h)
+    t["layers.0.mlp.down_proj.weight"] = torch.zeros_like(t["layers.0.mlp.down_proj.weight"])
+    t["norm.weight"] = model.model.norm.weight.detach().float().clone()
+    del t["lm_head.weight"], t["t2d"]  # lm_head from the target (full draft vocabulary)
+    t["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.int64)
+    return write_drafter(DrafterCheckpoint(cfg, t), folder / f"drafter-{'31' if eagle31 else '3'}", "specforge")
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """{(target kind, eagle31): (drafter dir, target dir, onnx dir)} for fp32, bf16 and NVFP4 targets."""
+    tmp = tmp_path_factory.mktemp("accepting")
+    fp32, model = nearly_bigram_target(tmp / "fp32")
+    targets = {"fp32": fp32, "bf16": nearly_bigram_target(tmp / "bf16", torch.bfloat16)[0]}
+    try:
+        from eagle31_export.formats.quantize import quantize_checkpoint
+    except ImportError:  # NVFP4 support not in this build: those cases skip
+        quantize_checkpoint = None
+    if quantize_checkpoint is not None:
+        targets["nvfp4"] = quantize_checkpoint(fp32, tmp / "nvfp4", "modelopt").out
+    info = read_target_info(fp32)
+    out = {}
+    for eagle31 in (False, True):
+        drafter = bigram_drafter(tmp, info, model, eagle31)
+        for kind, target in targets.items():
+            onnx_dir = export_onnx(drafter, tmp / f"onnx-{kind}-{eagle31}", target, OnnxExportOptions(chain_depth=4))
+            out[kind, eagle31] = (drafter, target, onnx_dir)
+    return out
+
+
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle31"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "nvfp4"])
+def test_onnxruntime_loop_matches_the_reference(pairs, kind, eagle31):
+    """bf16: the checkpoint is stored in bf16 and both sides compute in fp32 (the export upcasts).
+    NVFP4: the reference runs the dequantized weights, ONNX Runtime unpacks the packed ones."""
+    if (kind, eagle31) not in pairs:
+        pytest.skip(f"no {kind} target in this build")
+    drafter, target, onnx_dir = pairs[kind, eagle31]
+    pair = load_pair(drafter, target, dtype=torch.float32)
+    ort_target, ort_drafter = load_backends(onnx_dir)
+    accepted = []
+    for prompt, depth in ((PROMPTS[0], 4), (PROMPTS[1], 4), (PROMPTS[2], 1)):
+        result = assert_same_run(pair.target, pair.drafter, ort_target, ort_drafter, prompt, depth)
+        accepted += result.accepted_per_step
+    assert sum(accepted) > 0 and 0 in accepted and max(accepted) >= 2  # the accept paths did run
+
+
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle31"])
+def test_chain_graph_gives_the_same_rounds(pairs, eagle31):
+    drafter, target, onnx_dir = pairs["fp32", eagle31]
+    pair = load_pair(drafter, target, dtype=torch.float32)
+    ort_target, chain = load_backends(onnx_dir, chain=True)
+    for prompt, depth in ((PROMPTS[0], 4), (PROMPTS[1], 2)):
+        assert_same_run(pair.target, pair.drafter, ort_target, chain, prompt, depth, chain=True)
+
+
+def test_chain_graph_refuses_sampling_and_deeper_rounds(pairs):
+    from eagle31_export.errors import UserError
+
+    _, _, onnx_dir = pairs["fp32", True]
+    ort_target, chain = load_backends(onnx_dir, chain=True)
+    with pytest.raises(UserError, match="--depth <= 4"):
+        speculate(ort_target, chain, PROMPTS[0], 24, 5)
+    with pytest.raises(UserError, match="greedily"):
+        speculate(ort_target, chain, PROMPTS[0], 24, 4, temperature=1.0, seed=3)
+
+
+def test_sampling_with_onnxruntime_matches_the_reference(pairs):
+    drafter, target, onnx_dir = pairs["fp32", True]
+    pair = load_pair(drafter, target, dtype=torch.float32)
+    ort_target, ort_drafter = load_backends(onnx_dir)
+    want = speculate(pair.target, pair.drafter, PROMPTS[1], 24, 3, temperature=0.8, seed=7)
+    got = speculate(ort_target, ort_drafter, PROMPTS[1], 24, 3, temperature=0.8, seed=7)
+    assert got.drafts == want.drafts and got.accepted_per_step == want.accepted_per_step
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def run_cli(monkeypatch, capsys, *args):
+    monkeypatch.setattr(sys, "argv", ["eagle31-export", *map(str, args)])
+    code = 0
+    try:
+        main()
+    except SystemExit as exit_:
+        code = exit_.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_export_then_speculate_with_onnxruntime(monkeypatch, capsys, tmp_path, pairs):
+    drafter, target, _ = pairs["fp32", True]
+    out = tmp_path / "onnx"
+    code, stdout, _ = run_cli(monkeypatch, capsys, "export", "onnx", "--drafter", drafter, "--target", target,
+                              "--out", out, "--chain-depth", "3")
+    assert code == 0 and (out / "drafter_chain.onnx").is_file() and (out / "manifest.json").is_file()
+    common = ["--prompt-ids", "200,3,77,41,8", "--depth", "3", "--max-new-tokens", "16", "--json"]
+    code, ref_out, _ = run_cli(monkeypatch, capsys, "speculate", "--drafter", drafter, "--target", target, *common)
+    assert code == 0
+    for extra in ([], ["--chain"]):
+        code, ort_out, err = run_cli(monkeypatch, capsys, "speculate", "--runtime", "onnxruntime", "--onnx", out,
+                                     *extra, *common)
+        assert code == 0, err
+        assert json.loads(ort_out) == json.loads(ref_out)
+
+
+def test_cli_drafter_only_export_verifies_with_the_reference_target(monkeypatch, capsys, tmp_path, pairs):
+    drafter, target, _ = pairs["fp32", False]
+    out = tmp_path / "drafter-only"
+    export_onnx(drafter, out, target)  # the target supplies embeddings and lm_head ...
+    (out / "target.onnx").unlink()  # ... but a drafter-only folder has no target graph
+    meta = json.loads((out / "graphs.json").read_text())
+    del meta["target"]
+    (out / "graphs.json").write_text(json.dumps(meta))
+    common = ["--prompt-ids", "1,5,9,13", "--depth", "2", "--max-new-tokens", "10", "--json"]
+    code, ref_out, _ = run_cli(monkeypatch, capsys, "speculate", "--drafter", drafter, "--target", target, *common)
+    code2, ort_out, err = run_cli(monkeypatch, capsys, "speculate", "--runtime", "onnxruntime", "--onnx", out,
+                                  "--target", target, *common)
+    assert code == code2 == 0, err
+    assert json.loads(ort_out) == json.loads(ref_out)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["export", "onnx", "--drafter", "{d}", "--target", "{t}", "--out", "{o}", "--flavor", "trt"], "unknown --flavor"),
+    (["export", "onnx", "--drafter", "{d}", "--target", "{t}", "--out", "{o}", "--dtype", "fp64"], "--dtype must be"),
+    (["export", "onnx", "--drafter", "{d}", "--out", "{o}"], "pass --target"),
+    (["export", "onnx", "--drafter", "{t}", "--target", "{t}", "--out", "{o}"], "drafter format"),
+    (["export", "onnx", "--drafter", "{d}", "--target", "{t}", "--out", "{d}"], "already exists"),
+    (["speculate", "--runtime", "onnxruntime", "--prompt-ids", "1"], "needs --onnx"),
+    (["speculate", "--runtime", "onnxruntime", "--onnx", "{d}", "--prompt-ids", "1"], "no graphs.json"),
+    (["speculate", "--runtime", "tensorrt", "--onnx", "{d}", "--prompt-ids", "1"], "unknown --runtime"),
+    (["speculate", "--runtime", "onnxruntime", "--onnx", "{d}", "--chain", "--temperature", "1",
+      "--prompt-ids", "1"], "drafts greedily"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path, pairs, args, message):
+    drafter, target, _ = pairs["fp32", False]
+    filled = [a.format(d=drafter, t=target, o=tmp_path / "out") for a in args]
+    code, _, err = run_cli(monkeypatch, capsys, *filled)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
