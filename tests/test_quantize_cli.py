@@ -103,11 +103,14 @@ def test_text_prompts_use_the_model_tokenizer(monkeypatch, capsys, src, tmp_path
     (["--calib-prompts", "PROMPTS:{\"prompt_ids\": [1, 2]}\nnot json\n"], "p.jsonl:2: not JSON"),
     (["--calib-prompts", "PROMPTS:{\"text\": \"hello\"}\n"], "has no tokenizer"),
     (["--calib-prompts", "PROMPTS:{\"prompt_ids\": [1, 99999]}\n"], "outside the model's vocabulary"),
+    (["--out", "SRC", "--force"], "is the input checkpoint itself"),
 ])
 def test_bad_arguments_fail_with_one_line_and_write_nothing(monkeypatch, capsys, src, tmp_path, args, fragment):
     args = list(args)
     for i, a in enumerate(args):
-        if a.startswith("PROMPTS:"):
+        if a == "SRC":
+            args[i] = src
+        elif a.startswith("PROMPTS:"):
             (tmp_path / "p.jsonl").write_text(a[len("PROMPTS:"):])
             args[i] = tmp_path / "p.jsonl"
     code, _, err = run_cli(monkeypatch, capsys, "quantize", src, "--out", tmp_path / "out", *args)

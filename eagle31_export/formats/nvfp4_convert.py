@@ -15,7 +15,7 @@ from eagle31_export.errors import UserError
 from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
 from eagle31_export.formats.nvfp4_scheme import FORMATS, Format, QuantScheme, pattern_matches, write_declarations
 from eagle31_export.formats.nvfp4_writer import (
-    DEFAULT_MAX_SHARD_BYTES, LinearWriter, ShardedWriter, copy_side_files, tensor_progress,
+    DEFAULT_MAX_SHARD_BYTES, LinearWriter, ShardedWriter, check_distinct, copy_side_files, tensor_progress,
 )
 from eagle31_export.formats.safetensors_io import atomic_output_dir
 
@@ -25,6 +25,7 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, to_format
     """Write the NVFP4 checkpoint `src` to `out` in `to_format`; returns `out`."""
     if to_format not in FORMATS:
         raise UserError(f"unknown NVFP4 format {to_format!r}; use one of {', '.join(FORMATS)}")
+    check_distinct(Path(src), Path(out))
     ckpt = NVFP4Checkpoint.open(src)
     if ckpt.scheme.format == to_format:
         raise UserError(f"{src} is already a {to_format} NVFP4 checkpoint; nothing to convert")

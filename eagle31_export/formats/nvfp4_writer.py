@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle31_export.errors import UserError
 from eagle31_export.formats.nvfp4 import reciprocal_f32
 from eagle31_export.formats.nvfp4_scheme import EXACT_INVERSE_KEY, HF_QUANT_CONFIG, QuantScheme, exact_inverse
 from eagle31_export.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, write_json
@@ -119,6 +120,12 @@ def _scalar_tensor(value: float, scheme: QuantScheme) -> torch.Tensor:
     # ModelOpt writes 0-dim scalars, compressed-tensors shape [1].
     t = torch.tensor(value, dtype=torch.float32)
     return t.reshape(1) if scheme.format == "compressed-tensors" else t
+
+
+def check_distinct(src: Path, out: Path) -> None:
+    """Refuse to write a checkpoint over its own source (--force would delete the source)."""
+    if Path(out).resolve() == Path(src).resolve():
+        raise UserError(f"--out {out} is the input checkpoint itself; write to another folder")
 
 
 def copy_side_files(src: Path, dst: Path) -> None:

@@ -27,7 +27,7 @@ from eagle31_export.formats.nvfp4_scheme import (
     FORMATS, FUSED_GROUPS, Format, QuantScheme, detect_scheme, is_excluded, unmatched_patterns, write_declarations,
 )
 from eagle31_export.formats.nvfp4_writer import (
-    DEFAULT_MAX_SHARD_BYTES, LinearWriter, ShardedWriter, copy_side_files, tensor_progress,
+    DEFAULT_MAX_SHARD_BYTES, LinearWriter, ShardedWriter, check_distinct, copy_side_files, tensor_progress,
 )
 from eagle31_export.formats.safetensors_io import SafetensorsDir, atomic_output_dir, read_json
 
@@ -60,6 +60,7 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, fm
     if fmt not in FORMATS:
         raise UserError(f"unknown NVFP4 format {fmt!r}; use one of {', '.join(FORMATS)}")
     model_dir = Path(model_dir)
+    check_distinct(model_dir, Path(out))
     config = read_json(model_dir / "config.json")
     if detect_scheme(model_dir, config) is not None:
         if exclude or prompts:
