@@ -118,3 +118,21 @@ def test_bad_arguments_fail_with_one_line_and_write_nothing(monkeypatch, capsys,
     assert fragment in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_linears_that_cannot_be_quantized_are_kept_and_declared(tmp_path):
+    """in_features not a multiple of 16, and an all-zero fused group, stay in BF16 and are excluded."""
+    from safetensors.torch import save_file
+
+    src = make_target(tmp_path / "src", "llama", seed=2, dtype=torch.bfloat16, num_layers=2, hidden=40, heads=2,
+                      kv_heads=1, intermediate=64)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"].zero_()
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    result = quantize_checkpoint(src, tmp_path / "q", "modelopt")
+    assert result.quantized == ["model.layers.0.mlp.down_proj"]
+    assert any("in_features 40 is not a multiple of 16" in n for n in result.notes)
+    assert any(n.startswith("model.layers.1.mlp.down_proj: all-zero weight") for n in result.notes)
+    report = inspect_target(result.out)
+    assert report["problems"] == [] and report["quantization"]["quantized_linears"] == 1
+    assert "model.layers.1.mlp.down_proj" in report["quantization"]["excluded"]
