@@ -54,3 +54,23 @@ def fp64_llama(llama_target):
     from eagle31_export.formats.target import load_causal_lm
 
     return load_causal_lm(llama_target, dtype=torch.float64)
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """Run `eagle31-export ARGS...` in-process: returns (exit code, stdout, stderr)."""
+    import sys
+
+    from eagle31_export.cli.main import main
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["eagle31-export", *map(str, args)])
+        code = 0
+        try:
+            main()
+        except SystemExit as exit_:
+            code = exit_.code or 0
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run

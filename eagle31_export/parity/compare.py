@@ -3,7 +3,8 @@
 Pass rules (defaults in `Thresholds`):
 - greedy: generated tokens identical for every prompt (speculation is lossless, so any
   difference is a runtime bug, not noise);
-- fp32 runtime, greedy: `accepted_per_step` identical too;
+- fp32 runtime, greedy: every round's drafts and `accepted_per_step` identical too (a random or
+  weak drafter accepts little, so drafts are where a drafter-side bug shows first);
 - fp16/bf16 runtime, greedy: mean tau within `tau_rel_tol` of the reference;
 - sampling: per-position acceptance rates within a binomial confidence bound.
 Each failure is named by its symptom, which points at the usual cause.
@@ -121,6 +122,9 @@ def _failures(report: ParityReport) -> list[str]:
                 out.append(f"prompt {row.prompt_index}: generated tokens differ ({row.symptom})")
             elif report.exact and not row.accepted_identical:
                 out.append(f"prompt {row.prompt_index}: accepted_per_step differs ({row.symptom})")
+            elif report.exact and not row.drafts_identical:
+                out.append(f"prompt {row.prompt_index}: drafts differ from round {row.first_divergent_round} "
+                           f"({row.symptom})")
         if not report.exact:
             ref, run = report.tau("reference"), report.tau("runtime")
             if abs(run - ref) > report.thresholds.tau_rel_tol * ref:

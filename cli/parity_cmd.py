@@ -1,0 +1,52 @@
+"""`eagle31-export parity`: reference vs runtime on the same prompts; exit 0 pass, 1 fail, 2 bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+
+from eagle31_export.cli.common import print_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command("parity")(parity)
+
+
+def parity(
+    bundle: Optional[Path] = typer.Argument(None, help="Exported artifacts to check (e.g. an `export onnx` folder)."),
+    drafter: Optional[Path] = typer.Option(None, "--drafter", help="Reference drafter checkpoint."),
+    target: Optional[Path] = typer.Option(None, "--target", help="Reference target checkpoint."),
+    runtime: str = typer.Option("onnxruntime", "--runtime", help="onnxruntime, reference or triton."),
+    url: Optional[str] = typer.Option(None, "--url", help="Triton server HOST:PORT (grpc) for --runtime triton."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL: {\"prompt_ids\": [...]} or {\"text\": ...}."),
+    depth: int = typer.Option(3, "--depth", min=1),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write report.json, report.md and plots here."),
+    as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
+) -> None:
+    """Run reference and runtime on the same prompts; compare tokens, drafts, acceptance."""
+    from eagle31_export.parity.compare import run_parity
+    from eagle31_export.parity.report import markdown, write_report
+    from eagle31_export.parity.sides import load_prompts, resolve_sides
+
+    sides = resolve_sides(runtime, bundle, drafter, target, url)
+    prompt_ids = load_prompts(prompts, target or sides.reference_target_path)
+    console = Console(stderr=True)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"parity vs {sides.runtime_name}", total=len(prompt_ids))
+        report = run_parity((sides.reference.target, sides.reference.drafter), sides.runtime, prompt_ids, depth,
+                            max_new_tokens, temperature, seed, sides.exact, sides.runtime_name,
+                            on_prompt=lambda _: progress.advance(task))
+    if out is not None:
+        write_report(report, out)
+    if as_json:
+        print_json(report.to_json())
+    else:
+        Console().print(markdown(report))
+    raise typer.Exit(0 if report.passed else 1)

@@ -1,0 +1,20 @@
+"""The export bugs users hit in practice (FACTS.md sections 1, 2 and 5), applied on purpose."""
+
+from eagle31_export.formats.drafter import DrafterCheckpoint
+
+
+def shift_aux_ids(ckpt: DrafterCheckpoint, target_layers: int) -> DrafterCheckpoint:
+    """The off-by-one between "before layer i" and "output of layer i" numbering."""
+    ids = ckpt.config.resolved_aux_layer_ids(target_layers)
+    return DrafterCheckpoint(ckpt.config.replace(aux_layer_ids=tuple(i + 1 for i in ids)), ckpt.tensors)
+
+
+def pre_norm_feedback(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:
+    """An EAGLE 3.1 drafter run with EAGLE-3's pre-norm feedback (norm_output dropped)."""
+    return DrafterCheckpoint(ckpt.config.replace(norm_output=False), ckpt.tensors)
+
+
+def drop_fc_norm(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:
+    """fc_norm weights and flag lost on the way to the exported config."""
+    tensors = {k: v for k, v in ckpt.tensors.items() if not k.startswith("fc_norm.")}
+    return DrafterCheckpoint(ckpt.config.replace(fc_norm=False), tensors)
