@@ -28,9 +28,9 @@ def serve(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-    server = TritonServer([repo], http_port=port, grpc_port=grpc_port, metrics_port=metrics_port,
-                          log=sys.stderr)
+    server = TritonServer([repo], http_port=port, grpc_port=grpc_port, metrics_port=metrics_port)
     server.start()
+    server.follow_log(sys.stderr)
     try:
         server.wait_ready(timeout)
         typer.echo(f"ready: HTTP {server.http_url}, gRPC {server.grpc_url} (Ctrl-C stops)", err=True)
@@ -39,7 +39,7 @@ def serve(
         if code:
             from eagle31_export.errors import UserError
 
-            raise UserError(f"tritonserver exited with code {code}; see its log above")
+            raise UserError(f"tritonserver exited with code {code}: {server.failure()}")
     except KeyboardInterrupt:
         typer.echo("stopping tritonserver", err=True)
     finally:

@@ -159,7 +159,8 @@ def _cpu_readme(record: dict[str, Any], repo: Path) -> str:
     return f"""# Triton repository (cpu flavour): EAGLE speculation through the reference loop
 
 Serve: `eagle31-export serve {repo.name} --port 8000 --grpc-port 8001` (Triton's python backend runs the
-interpreter first on PATH; `serve` puts this environment's first, so `eagle31_export` is importable).
+interpreter first on PATH and ignores PYTHONPATH; `serve` puts this environment's first, so the installed
+`eagle31_export` is importable). On a small CPU machine set `OMP_NUM_THREADS` to the cores you give the model.
 
 - `{SPECULATE_MODEL}`: decoupled; with `streaming` true one response per speculation round
   (`output_ids` = the tokens that round committed), the last one with the statistics.

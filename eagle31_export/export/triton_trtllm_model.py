@@ -37,7 +37,12 @@ class TritonPythonModel:
         return config
 
     def initialize(self, args):
-        from tensorrt_llm import LLM, SamplingParams
+        try:
+            from tensorrt_llm import LLM, SamplingParams
+        except ImportError as err:
+            raise pb_utils.TritonModelException(
+                f"tensorrt_llm cannot be imported ({err}); this model needs a GPU machine with TensorRT-LLM "
+                "(NVIDIA's tritonserver trtllm container, or `pip install tensorrt-llm` from NVIDIA's index)") from None
 
         options = {k: v for k, v in _model_yaml().items() if k != "triton_config"}
         self.max_draft_len = int(options.get("speculative_config", {}).get("max_draft_len", 0))

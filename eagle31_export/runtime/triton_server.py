@@ -7,12 +7,14 @@ Launched directly (not through PyTriton), the binary needs three things PyTriton
 - a backend directory whose `python/` holds `libtriton_python.so` next to the stub built for THIS
   Python version (the wheel ships one per version; we link the right one into a private folder);
 - the environment's `bin` first on PATH: the stub runs the first `python` it finds, and the
-  models import this package from it.
+  models import this package from its site-packages. The stub's interpreter ignores PYTHONPATH;
+  a model's own folder is on its sys.path.
 Only 127.0.0.1 is bound. Metrics are off unless a port is given.
 """
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import shutil
 import signal
@@ -56,6 +58,9 @@ def find_triton() -> TritonInstall:
         raise MissingRuntimeError(f"{install.binary} missing: reinstall nvidia-pytriton")
     if not install.stub.is_file():
         raise MissingRuntimeError(f"nvidia-pytriton has no python backend stub for Python {version}")
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED") and not ctypes.util.find_library(f"python{version}"):
+        raise MissingRuntimeError(f"Triton's python backend links libpython{version}.so, which this interpreter "
+                                  "lacks (built without --enable-shared); use a Python with a shared libpython")
     return install
 
 
@@ -108,10 +113,9 @@ class TritonServer:
     grpc_port: int = 8001
     metrics_port: int | None = None
     env: dict[str, str] | None = None
-    log: IO | None = None  # where server output goes; default: a log file in the work folder
     process: subprocess.Popen | None = field(default=None, init=False)
     workdir: Path | None = field(default=None, init=False)
-    _own_log: IO | None = field(default=None, init=False, repr=False)
+    _log_file: IO | None = field(default=None, init=False, repr=False)  # server output; see follow_log
 
     @property
     def http_url(self) -> str:
@@ -147,31 +151,51 @@ class TritonServer:
         install = find_triton()
         self.workdir = Path(tempfile.mkdtemp(prefix="eagle31-triton-"))
         backends = backend_dir(install, self.workdir)
-        if self.log is None:
-            self._own_log = open(self.workdir / "tritonserver.log", "w")  # noqa: SIM115 - closed in stop()
-        out = self.log or self._own_log
+        self._log_file = open(self.workdir / "tritonserver.log", "w")  # noqa: SIM115 - closed in stop()
         # A new session: Ctrl-C in a terminal reaches us, and we stop the server in order.
         self.process = subprocess.Popen(self.command(install, backends), env=server_env(install, self.env),
-                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                        stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
-    def log_tail(self, lines: int = 12) -> str:
-        """The server's error lines (Triton prefixes them with E) and its last lines."""
+    def follow_log(self, stream: IO) -> None:
+        """Copy the server log to `stream` as it grows (a daemon thread; ends with the server)."""
+        import threading
+
+        def pump() -> None:
+            with open(self.workdir / "tritonserver.log", errors="replace") as f:
+                while True:
+                    line = f.readline()
+                    if line:
+                        stream.write(line)
+                        stream.flush()
+                    elif self.process is None or self.process.poll() is not None:
+                        return
+                    else:
+                        time.sleep(0.1)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def log_lines(self) -> list[str]:
         path = self.workdir / "tritonserver.log" if self.workdir else None
         if path is None or not path.is_file():
-            return ""
-        text = path.read_text(errors="replace").splitlines()
-        errors = [line for line in text if line.startswith("E") and "CudaDriverHelper" not in line]
-        return "\n".join(errors[-lines:] + text[-3:])
+            return []
+        return path.read_text(errors="replace").splitlines()
+
+    def failure(self) -> str:
+        """The server's first real error line (Triton prefixes them with E), shortened to one line."""
+        errors = [line for line in self.log_lines() if line.startswith("E") and "CudaDriverHelper" not in line]
+        if not errors:
+            return "no error line in its log"
+        text = errors[0].split("] ", 1)[-1].replace("\\n", " ").strip('" ')
+        return text[:400]
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Until every model is loaded (`/v2/health/ready`), or raise with the server's last words."""
+        """Until every model is loaded (`/v2/health/ready`), or raise with the server's first error."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                tail = self.log_tail()
-                raise UserError(f"tritonserver exited with code {self.process.returncode} while starting"
-                                + (f"; last log lines:\n{tail}" if tail else ""))
+                raise UserError(f"tritonserver exited with code {self.process.returncode} while starting: "
+                                f"{self.failure()}")
             try:
                 with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
                     if r.status == 200:
@@ -179,7 +203,7 @@ class TritonServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.25)
-        raise UserError(f"tritonserver not ready after {timeout:.0f}s; last log lines:\n{self.log_tail()}")
+        raise UserError(f"tritonserver not ready after {timeout:.0f}s: {self.failure()}")
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGINT (Triton unloads its models and stops their stubs), then SIGKILL of its group if stuck."""
@@ -192,9 +216,9 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)  # the group we created: server and its stubs
                 self.process.wait()
-        if self._own_log is not None:
-            self._own_log.close()
-            self._own_log = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
