@@ -268,3 +268,24 @@ def test_graphs_json_describes_every_graph(export_dir):
     assert meta["source"]["drafter"].endswith("eagle31-specforge") and meta["source"]["target"].endswith("llama")
     for role in ("first", "next", "chain"):
         assert (export_dir / meta["drafter"]["graphs"][role]["file"]).is_file()
+
+
+def test_batch_axis_is_dynamic(export_dir):
+    """Two identical rows give the batch-1 result twice (rows of equal length; no padding mask)."""
+    gen = torch.Generator().manual_seed(9)
+    feeds = {"input_ids": torch.randint(0, 256, (1, 4), generator=gen).numpy(),
+             "position_ids": np.arange(4)[None], "aux_hidden_states": torch.randn(1, 4, 192, generator=gen).numpy(),
+             **empty_past(1, 2, 16, 16)}
+    single = run_ort(export_dir / "drafter_first.onnx", feeds)
+    double = run_ort(export_dir / "drafter_first.onnx", {k: np.concatenate([v, v]) for k, v in feeds.items()})
+    for name in ("logits", "fed_back_hidden", "present_key_0"):
+        np.testing.assert_allclose(double[name], np.concatenate([single[name]] * 2), atol=1e-5)
+
+
+def test_positions_past_the_rope_table_are_a_user_error(export_dir):
+    from eagle31_export.errors import UserError
+    from eagle31_export.runtime.onnxruntime import load_backends
+
+    target, drafter = load_backends(export_dir)
+    with pytest.raises(UserError, match="--max-positions"):
+        drafter.forward(torch.tensor([[1]]), torch.tensor([[512]]), torch.zeros(1, 1, 192), True)

@@ -138,9 +138,10 @@ class DrafterGraphWriter:
     def _linear(self, g: GraphBuilder, x: str, prefix: str) -> str:
         """x @ W.T (+ b); W stored transposed as `<prefix>.weight_t` [in, out]."""
         w = g.tensor(f"{prefix}.weight_t", self.state[f"{prefix}.weight"].to(self.dtype).t())
-        y = g.op("MatMul", x, w)
+        short = prefix.rsplit(".", 1)[-1]
+        y = g.op("MatMul", x, w, name=short)
         bias = self.state.get(f"{prefix}.bias")
-        return y if bias is None else g.op("Add", y, self._w(g, f"{prefix}.bias"))
+        return y if bias is None else g.op("Add", y, self._w(g, f"{prefix}.bias"), name=f"{short}_bias")
 
     def _rope(self, g: GraphBuilder, positions: str) -> tuple[str, str]:
         # Exactly the reference's cos/sin (float64 angles, rounded once to the compute dtype).
@@ -176,7 +177,11 @@ class DrafterGraphWriter:
     def _step(self, g: GraphBuilder, ids: str, positions: str, hidden: str, hidden_is_aux: bool,
               past: list[tuple[str, str]]) -> StepValues:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        g_state = self._fuse_taps(g, hidden) if hidden_is_aux else hidden
+        if hidden_is_aux:
+            with g.scope("fc"):
+                g_state = self._fuse_taps(g, hidden)
+        else:
+            g_state = hidden
         x = g.op("Gather", self._w(g, "embed_tokens.weight"), ids)
         mask = L.causal_mask(g, L.past_len(g, past[0][0]), L.seq_len(g, ids))
         cos, sin = self._rope(g, positions)
@@ -185,18 +190,21 @@ class DrafterGraphWriter:
             p = f"layers.{i}"
             with g.scope(p):
                 if i == 0:  # EAGLE-3's midlayer: attention over cat(norm(embed), norm(g)), width 2H
-                    normed_g = L.rms_norm(g, g_state, self._w(g, f"{p}.hidden_norm.weight"), eps)
+                    normed_g = L.rms_norm(g, g_state, self._w(g, f"{p}.hidden_norm.weight"), eps, "hidden_norm")
                     residual = normed_g if cfg.norm_before_residual else g_state
-                    attn_in = g.op("Concat", L.rms_norm(g, x, self._w(g, f"{p}.input_layernorm.weight"), eps),
-                                   normed_g, axis=-1)
+                    attn_in = g.op("Concat", L.rms_norm(g, x, self._w(g, f"{p}.input_layernorm.weight"), eps,
+                                                      "input_layernorm"), normed_g, axis=-1)
                 else:
-                    residual, attn_in = x, L.rms_norm(g, x, self._w(g, f"{p}.input_layernorm.weight"), eps)
+                    residual, attn_in = x, L.rms_norm(g, x, self._w(g, f"{p}.input_layernorm.weight"), eps,
+                                                     "input_layernorm")
                 attend = self._mla if cfg.attention == "mla" else self._gqa
-                attn, present = attend(g, f"{p}.self_attn", attn_in, cos, sin, past[i], mask)
+                with g.scope("self_attn"):
+                    attn, present = attend(g, f"{p}.self_attn", attn_in, cos, sin, past[i], mask)
                 presents.append(present)
                 h1 = g.op("Add", residual, attn)
-                update = L.gated_mlp(g, L.rms_norm(g, h1, self._w(g, f"{p}.post_attention_layernorm.weight"), eps),
-                                     self._linear, f"{p}.mlp", cfg.hidden_act)
+                normed = L.rms_norm(g, h1, self._w(g, f"{p}.post_attention_layernorm.weight"), eps,
+                                    "post_attention_layernorm")
+                update = L.gated_mlp(g, normed, self._linear, f"{p}.mlp", cfg.hidden_act)
                 if i + 1 < cfg.num_layers:
                     x = g.op("Add", h1, update)
         with g.scope("norm"):
@@ -220,14 +228,16 @@ class DrafterGraphWriter:
         m, h, eps = self.cfg.mla, self.cfg.num_attention_heads, self.cfg.rms_norm_eps
         if m.q_lora_rank:
             q = self._linear(g, L.rms_norm(g, self._linear(g, x, f"{p}.q_a_proj"),
-                                           self._w(g, f"{p}.q_a_layernorm.weight"), eps), f"{p}.q_b_proj")
+                                           self._w(g, f"{p}.q_a_layernorm.weight"), eps, "q_a_layernorm"),
+                             f"{p}.q_b_proj")
         else:
             q = self._linear(g, x, f"{p}.q_proj")
         q_nope, q_pe = g.op("Split", L.split_heads(g, q, h, m.qk_head_dim),
                             g.const([m.qk_nope_head_dim, m.qk_rope_head_dim]), outputs=2, axis=-1)
         latent, k_pe = g.op("Split", self._linear(g, x, f"{p}.kv_a_proj_with_mqa"),
                             g.const([m.kv_lora_rank, m.qk_rope_head_dim]), outputs=2, axis=-1)
-        kv = self._linear(g, L.rms_norm(g, latent, self._w(g, f"{p}.kv_a_layernorm.weight"), eps), f"{p}.kv_b_proj")
+        kv = self._linear(g, L.rms_norm(g, latent, self._w(g, f"{p}.kv_a_layernorm.weight"), eps, "kv_a_layernorm"),
+                          f"{p}.kv_b_proj")
         k_nope, v = g.op("Split", L.split_heads(g, kv, h, m.qk_nope_head_dim + m.v_head_dim),
                          g.const([m.qk_nope_head_dim, m.v_head_dim]), outputs=2, axis=-1)
         # Checkpoints store rope dims as interleaved (re, im) pairs: reorder to the rotate_half layout.

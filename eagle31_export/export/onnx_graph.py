@@ -129,11 +129,15 @@ class GraphBuilder:
 
     # ---- graph contents ---------------------------------------------------
     def op(self, op_type: str, *inputs: str, outputs: int | Sequence[str] = 1, domain: str = "",
-           **attrs) -> str | tuple[str, ...]:
-        """Add one node; `outputs` is a count (fresh names) or explicit output names."""
-        names = [self.fresh(f"{op_type}_out{i}" if outputs != 1 else op_type) for i in range(outputs)] \
-            if isinstance(outputs, int) else list(outputs)
-        node = helper.make_node(op_type, list(inputs), names, name=self.fresh(op_type), domain=domain,
+           name: str | None = None, **attrs) -> str | tuple[str, ...]:
+        """Add one node named `name` (default: its op type) in the current scope; its outputs are
+        named after it (`node`, or `node:i` for several) unless `outputs` lists explicit names."""
+        node_name = self.fresh(name or op_type)
+        if isinstance(outputs, int):
+            names = [node_name] if outputs == 1 else [f"{node_name}:{i}" for i in range(outputs)]
+        else:
+            names = list(outputs)
+        node = helper.make_node(op_type, list(inputs), names, name=node_name, domain=domain,
                                 **{k: v for k, v in attrs.items() if v is not None})
         self.nodes.append(node)
         return names[0] if len(names) == 1 else tuple(names)

@@ -21,13 +21,14 @@ from eagle31_export.export.onnx_graph import GraphBuilder
 FLOAT = TensorProto.FLOAT
 
 
-def rms_norm(g: GraphBuilder, x: str, weight: str | None, eps: float) -> str:
+def rms_norm(g: GraphBuilder, x: str, weight: str | None, eps: float, name: str = "rms_norm") -> str:
     """HF RMSNorm: normalise in fp32, round back to the input type, then scale by the weight."""
-    xf = g.op("Cast", x, to=FLOAT)
-    ms = g.op("ReduceMean", g.op("Mul", xf, xf), g.const([-1]), keepdims=1)
-    inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, g.const(eps, np.float32))))
-    normed = g.op("CastLike", g.op("Mul", xf, inv), x)
-    return normed if weight is None else g.op("Mul", weight, normed)
+    with g.scope(name):
+        xf = g.op("Cast", x, to=FLOAT)
+        ms = g.op("ReduceMean", g.op("Mul", xf, xf), g.const([-1]), keepdims=1)
+        inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, g.const(eps, np.float32))))
+        normed = g.op("CastLike", g.op("Mul", xf, inv), x)
+        return normed if weight is None else g.op("Mul", weight, normed)
 
 
 def activation(g: GraphBuilder, x: str, kind: str) -> str:
@@ -42,7 +43,7 @@ def activation(g: GraphBuilder, x: str, kind: str) -> str:
 
 def gated_mlp(g: GraphBuilder, x: str, linear, prefix: str, act: str) -> str:
     """down(act(gate(x)) * up(x)); `linear(g, x, name)` applies the weight named `name`."""
-    with g.scope(prefix):
+    with g.scope("mlp"):
         gate = activation(g, linear(g, x, f"{prefix}.gate_proj"), act)
         return linear(g, g.op("Mul", gate, linear(g, x, f"{prefix}.up_proj")), f"{prefix}.down_proj")
 

@@ -71,16 +71,18 @@ class TargetGraphWriter:
         for i in range(len(self.layers)):
             p = f"{self.prefix}.{i}"
             with g.scope(p):
-                normed = L.rms_norm(g, x, self._w(g, f"{p}.input_layernorm.weight"), eps)
-                attn, present = self._attention(g, f"{p}.self_attn", normed, cos, sin, past[i], mask)
+                normed = L.rms_norm(g, x, self._w(g, f"{p}.input_layernorm.weight"), eps, "input_layernorm")
+                with g.scope("self_attn"):
+                    attn, present = self._attention(g, f"{p}.self_attn", normed, cos, sin, past[i], mask)
                 presents.append(present)
                 x = g.op("Add", x, attn)
-                normed = L.rms_norm(g, x, self._w(g, f"{p}.post_attention_layernorm.weight"), eps)
+                normed = L.rms_norm(g, x, self._w(g, f"{p}.post_attention_layernorm.weight"), eps,
+                                    "post_attention_layernorm")
                 x = g.op("Add", x, L.gated_mlp(g, normed, self._linear, f"{p}.mlp", cfg.hidden_act))
             if i in self.aux_layer_ids:
                 taps[i] = x  # output of layer i: the residual stream after it, before the final norm
         with g.scope("lm_head"):
-            logits = self._linear(g, L.rms_norm(g, x, self._w(g, f"{self._base()}.norm.weight"), eps), "lm_head")
+            logits = self._linear(g, L.rms_norm(g, x, self._w(g, f"{self._base()}.norm.weight"), eps, "norm"), "lm_head")
         aux = [taps[i] for i in self.aux_layer_ids]
         g.output(logits, "logits", self.elem, [B, T, cfg.vocab_size])
         g.output(g.op("Concat", *aux, axis=-1) if len(aux) > 1 else aux[0], "aux_hidden_states", self.elem,
@@ -104,13 +106,15 @@ class TargetGraphWriter:
 
     def _linear(self, g: GraphBuilder, x: str, module: str) -> str:
         if module in self.nvfp4:
-            with g.scope(module):
+            with g.scope(module.rsplit(".", 1)[-1]):
                 w = Q.dequantized_weight(g, module, self.nvfp4[module], self.flavor)
                 w_t = g.op("CastLike", g.op("Transpose", w, perm=[1, 0]), x)
         else:
             w_t = g.tensor(f"{module}.weight_t", self.state[f"{module}.weight"].to(self.dtype).t())
-        y = g.op("MatMul", x, w_t)
-        return y if f"{module}.bias" not in self.state else g.op("Add", y, self._w(g, f"{module}.bias"))
+        short = module.rsplit(".", 1)[-1]
+        y = g.op("MatMul", x, w_t, name=short)
+        return y if f"{module}.bias" not in self.state else \
+            g.op("Add", y, self._w(g, f"{module}.bias"), name=f"{short}_bias")
 
     def _rope(self, g: GraphBuilder, positions: str) -> tuple[str, str]:
         # The model's own rotary module makes the tables: every rope type and attention scaling it
@@ -129,8 +133,10 @@ class TargetGraphWriter:
         q = self._linear(g, x, f"{p}.q_proj")
         k = self._linear(g, x, f"{p}.k_proj")
         if f"{p}.q_norm.weight" in self.state:  # Qwen3: RMSNorm over each head before rope
-            q = L.rms_norm(g, g.op("Reshape", q, g.const([0, 0, heads, hd])), self._w(g, f"{p}.q_norm.weight"), eps)
-            k = L.rms_norm(g, g.op("Reshape", k, g.const([0, 0, kv, hd])), self._w(g, f"{p}.k_norm.weight"), eps)
+            q = L.rms_norm(g, g.op("Reshape", q, g.const([0, 0, heads, hd])), self._w(g, f"{p}.q_norm.weight"), eps,
+                           "q_norm")
+            k = L.rms_norm(g, g.op("Reshape", k, g.const([0, 0, kv, hd])), self._w(g, f"{p}.k_norm.weight"), eps,
+                           "k_norm")
         q = L.apply_rope(g, L.split_heads(g, q, heads, hd), cos, sin, hd)
         k = L.apply_rope(g, L.split_heads(g, k, kv, hd), cos, sin, hd)
         v = L.split_heads(g, self._linear(g, x, f"{p}.v_proj"), kv, hd)

@@ -104,6 +104,14 @@ def _ids(x: torch.Tensor) -> np.ndarray:
     return x.to(torch.int64).numpy()
 
 
+def _check_positions(positions: np.ndarray, limit: int, what: str) -> np.ndarray:
+    # Rope tables are precomputed up to `limit` rows; past them Gather fails with an opaque error.
+    if positions.size and int(positions.max()) >= limit:
+        raise UserError(f"position {int(positions.max())} is past the {what} graph's rope table ({limit} rows); "
+                        "re-export with a larger --max-positions")
+    return positions
+
+
 class OrtTargetBackend:
     """`TargetBackend` over target.onnx: logits and tapped states per forward, KV cache kept here."""
 
@@ -114,7 +122,7 @@ class OrtTargetBackend:
         self.session = export.session(meta["file"], threads)
         self.cache = _Cache(meta["kv_cache"], export.np_dtype)
         self.aux_layer_ids = tuple(meta["aux_layer_ids"])
-        self.vocab_size = meta["vocab_size"]
+        self.vocab_size, self.max_positions = meta["vocab_size"], meta["max_positions"]
 
     @property
     def length(self) -> int:
@@ -126,6 +134,7 @@ class OrtTargetBackend:
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start, t = self.cache.length, input_ids.shape[1]
         positions = np.arange(start, start + t, dtype=np.int64)[None].repeat(input_ids.shape[0], 0)
+        _check_positions(positions, self.max_positions, "target")
         out = _run(self.session, {"input_ids": _ids(input_ids), "position_ids": positions, **self.cache.feeds()})
         self.cache.update(out)
         return torch.from_numpy(out["logits"]), torch.from_numpy(out["aux_hidden_states"])
@@ -146,6 +155,12 @@ class OrtDrafterBackend:
         self.next = export.session(meta["graphs"]["next"]["file"], threads)
         self.cache = _Cache(meta["kv_cache"], self.dtype)
         self.d2t = load_file(str(export.folder / meta["d2t"]))["d2t"]
+        self.max_positions = meta["max_positions"]
+
+    def _feeds(self, input_ids, positions, name: str, hidden) -> dict[str, np.ndarray]:
+        return {"input_ids": _ids(input_ids),
+                "position_ids": _check_positions(_ids(positions), self.max_positions, "drafter"),
+                name: hidden.detach().float().numpy().astype(self.dtype), **self.cache.feeds()}
 
     @property
     def length(self) -> int:
@@ -156,9 +171,7 @@ class OrtDrafterBackend:
 
     def forward(self, input_ids, positions, hidden, hidden_is_aux):
         session, name = (self.first, "aux_hidden_states") if hidden_is_aux else (self.next, "hidden_states")
-        feeds = {"input_ids": _ids(input_ids), "position_ids": _ids(positions),
-                 name: hidden.detach().float().numpy().astype(self.dtype), **self.cache.feeds()}
-        out = _run(session, feeds)
+        out = _run(session, self._feeds(input_ids, positions, name, hidden))
         self.cache.update(out)
         return torch.from_numpy(out["logits"]), torch.from_numpy(out["fed_back_hidden"])
 
@@ -189,9 +202,9 @@ class OrtChainDrafterBackend(OrtDrafterBackend):
 
     def forward(self, input_ids, positions, hidden, hidden_is_aux):
         if hidden_is_aux:
-            feeds = {"input_ids": _ids(input_ids), "position_ids": _ids(positions),
-                     "aux_hidden_states": hidden.detach().float().numpy().astype(self.dtype), **self.cache.feeds()}
-            out = _run(self.chain, feeds)
+            # the chain's later steps run at positions up to last + depth - 1
+            _check_positions(_ids(positions)[:, -1:] + self.depth - 1, self.max_positions, "drafter chain")
+            out = _run(self.chain, self._feeds(input_ids, positions, "aux_hidden_states", hidden))
             self.cache.update(out)
             self._logits, self._drafts = torch.from_numpy(out["draft_logits"]), out["draft_token_ids"]
             self._step, self._position = 1, int(positions[0, -1])
