@@ -29,7 +29,7 @@ from eagle31_export.formats.target import load_causal_lm, read_target_info  # no
 from eagle31_export.reference.pair import load_pair  # noqa: E402
 from eagle31_export.reference.speculate import greedy_decode, speculate  # noqa: E402
 from eagle31_export.runtime.triton_client import generate, stream  # noqa: E402
-from eagle31_export.runtime.triton_server import TritonServer, free_port  # noqa: E402
+from eagle31_export.runtime.triton_server import TritonServer, free_ports  # noqa: E402
 
 VOCAB = 256
 
@@ -146,7 +146,8 @@ def repos(tmp_path_factory, pair):
 @pytest.fixture(scope="module")
 def starting_server(repos):
     """The server process, started early: it loads its models while the reference pair loads."""
-    srv = TritonServer([repos["cpu"], repos["trtllm"]], http_port=free_port(), grpc_port=free_port(),
+    http, grpc = free_ports(2)
+    srv = TritonServer([repos["cpu"], repos["trtllm"]], http_port=http, grpc_port=grpc,
                        env={"OMP_NUM_THREADS": "1"})
     srv.start()
     try:
@@ -284,7 +285,7 @@ def test_serve_refuses_a_port_in_use(monkeypatch, capsys, repos):
         busy.listen()
         port = busy.getsockname()[1]
         monkeypatch.setattr(sys, "argv", ["eagle31-export", "serve", str(repos["cpu"]), "--port", str(port),
-                                          "--grpc-port", str(free_port())])
+                                          "--grpc-port", str(free_ports(1)[0])])
         with pytest.raises(SystemExit) as exit_:
             main()
     assert exit_.value.code == 2
@@ -294,10 +295,10 @@ def test_serve_refuses_a_port_in_use(monkeypatch, capsys, repos):
 
 def test_serve_stops_cleanly_on_ctrl_c(tmp_path, repos):
     """`serve` on the light trtllm-flavour repository: ready, then SIGINT -> exit 0, server gone."""
-    port = free_port()
+    port, grpc = free_ports(2)
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "eagle31_export.cli.main", "serve", str(repos["trtllm"]),
-                             "--port", str(port), "--grpc-port", str(free_port())], stdout=log, stderr=log)
+                             "--port", str(port), "--grpc-port", str(grpc)], stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and proc.poll() is None:
