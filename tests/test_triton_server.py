@@ -28,7 +28,7 @@ from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter  # n
 from eagle31_export.formats.target import load_causal_lm, read_target_info  # noqa: E402
 from eagle31_export.reference.pair import load_pair  # noqa: E402
 from eagle31_export.reference.speculate import greedy_decode, speculate  # noqa: E402
-from eagle31_export.runtime.triton_client import generate, stream  # noqa: E402
+from eagle31_export.runtime.triton_client import generate, remote_speculate, stream  # noqa: E402
 from eagle31_export.runtime.triton_server import TritonServer, free_ports  # noqa: E402
 
 VOCAB = 256
@@ -223,6 +223,15 @@ def test_text_prompt_is_tokenised(server, reference):
     ref = speculate(reference.target, reference.drafter, [5, 6, 7], 10, 2)
     got = generate(server.http_url, "w5 w6 w7", max_tokens=10, depth=2)
     assert got.tokens == ref.tokens and got.accepted_per_step == ref.accepted_per_step
+
+
+def test_remote_speculate_with_sampling_matches_the_reference(server, reference):
+    """Seeded speculative rejection sampling on the server reproduces the reference loop exactly."""
+    prompt = PROMPTS[0]
+    ref = speculate(reference.target, reference.drafter, prompt, 16, 3, temperature=0.8, seed=11)
+    got = remote_speculate(server.http_url, prompt, 16, 3, temperature=0.8, seed=11)
+    assert (got.tokens, got.drafts, got.accepted_per_step) == (ref.tokens, ref.drafts, ref.accepted_per_step)
+    assert got.acceptance_length == ref.acceptance_length
 
 
 def test_trtllm_flavour_loads_and_passes_model_yaml_to_the_llm_api(server, repos):

@@ -39,6 +39,8 @@ CPU_INPUTS = [
     ("max_tokens", "TYPE_INT32", [1], True),
     ("num_draft_tokens", "TYPE_INT32", [1], True),
     ("stop_token_ids", "TYPE_INT64", [-1], True),
+    ("temperature", "TYPE_FP32", [1], True),
+    ("seed", "TYPE_INT64", [1], True),
 ]
 CPU_OUTPUTS = [
     ("output_ids", "TYPE_INT64", [-1]),
@@ -168,10 +170,12 @@ interpreter first on PATH and ignores PYTHONPATH; `serve` puts this environment'
 - `{GENERATE_MODEL}`: plain `infer` over HTTP or gRPC; one response with everything.
 
 Inputs: `input_ids` INT64 [-1] or `text_input` STRING [1] (only with a tokenizer next to the target),
-`max_tokens` INT32, `num_draft_tokens` INT32 (default {record['max_draft_len']}), `stop_token_ids` INT64 [-1].
+`max_tokens` INT32, `num_draft_tokens` INT32 (default {record['max_draft_len']}), `stop_token_ids` INT64 [-1],
+`temperature` FP32 (0: greedy, the default; else speculative rejection sampling), `seed` INT64.
 Outputs: `output_ids`, `text_output` (with a tokenizer), `accepted_per_step`, `acceptance_length` (tau),
 `acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`, `draft_tokens` [rounds, depth].
-Greedy decoding: the tokens equal the target's own greedy output.
+Greedy decoding: the tokens equal the target's own greedy output. Sampling with a seed is reproducible:
+the same seed gives the same tokens as `eagle31-export speculate --temperature T --seed S`.
 
 Checkpoints: the drafter is copied into `{SPECULATE_MODEL}/1/pair/drafter` (speculators layout, tapped
 layers explicit); the target is referenced by path: `{record['target']}`.

@@ -55,6 +55,7 @@ class TritonPythonModel:
         depth = _input(request, "num_draft_tokens")
         streaming = _input(request, "streaming")
         stop = _input(request, "stop_token_ids")
+        temperature, seed = _input(request, "temperature"), _input(request, "seed")
         sent = []
 
         def send_chunk(tokens):
@@ -67,6 +68,8 @@ class TritonPythonModel:
             int(depth[0]) if depth is not None else None,
             tuple(int(s) for s in stop) if stop is not None else (),
             on_tokens=send_chunk if streaming is not None and bool(streaming[0]) else None,
+            temperature=float(temperature[0]) if temperature is not None else 0.0,
+            seed=int(seed[0]) if seed is not None else 0,
         )
         rest = result.tokens[len(sent):]
         sent.extend(rest)

@@ -1,7 +1,11 @@
 """Clients for the `cpu` Triton repository: plain (HTTP `infer`) and streaming (gRPC stream).
 
     result = generate("127.0.0.1:8000", [1, 2, 3], max_tokens=16)
-    for chunk in stream("127.0.0.1:8001", [1, 2, 3], max_tokens=16): ...
+    for new, so_far in stream("127.0.0.1:8001", [1, 2, 3], max_tokens=16): ...
+    spec = remote_speculate("127.0.0.1:8000", [1, 2, 3], 16, depth=3)   # a SpecResult, for parity
+
+The server runs the whole speculation loop, so parity with a deployed server compares whole
+results (tokens, every round's drafts, accepted_per_step), not individual forward passes.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from eagle31_export.export.triton import GENERATE_MODEL, SPECULATE_MODEL
+from eagle31_export.reference.speculate import SpecResult
 
 STAT_NAMES = ("accepted_per_step", "acceptance_length", "acceptance_rate", "total_accepted_draft_tokens",
               "total_draft_tokens", "draft_tokens")
@@ -33,7 +38,8 @@ class Generation:
         return float(self.stats["acceptance_length"][0])
 
 
-def _inputs(module, prompt: list[int] | str, max_tokens: int, depth: int | None, streaming: bool | None):
+def _inputs(module, prompt: list[int] | str, max_tokens: int, depth: int | None, streaming: bool | None,
+            temperature: float = 0.0, seed: int = 0):
     tensors = []
 
     def add(name, array, dtype):
@@ -50,6 +56,9 @@ def _inputs(module, prompt: list[int] | str, max_tokens: int, depth: int | None,
         add("num_draft_tokens", np.asarray([depth], dtype=np.int32), "INT32")
     if streaming is not None:
         add("streaming", np.asarray([streaming]), "BOOL")
+    if temperature:
+        add("temperature", np.asarray([temperature], dtype=np.float32), "FP32")
+        add("seed", np.asarray([seed], dtype=np.int64), "INT64")
     return tensors
 
 
@@ -69,12 +78,12 @@ def _collect(result, into: Generation) -> list[int]:
 
 
 def generate(http_url: str, prompt: list[int] | str, max_tokens: int = 32, depth: int | None = None,
-             model: str = GENERATE_MODEL) -> Generation:
+             model: str = GENERATE_MODEL, temperature: float = 0.0, seed: int = 0) -> Generation:
     """One plain HTTP request; one response with every token and the statistics."""
     import tritonclient.http as httpclient
 
     with httpclient.InferenceServerClient(http_url) as client:
-        result = client.infer(model, _inputs(httpclient, prompt, max_tokens, depth, None))
+        result = client.infer(model, _inputs(httpclient, prompt, max_tokens, depth, None, temperature, seed))
     out = Generation([])
     _collect(result, out)
     return out
@@ -104,3 +113,16 @@ def stream(grpc_url: str, prompt: list[int] | str, max_tokens: int = 32, depth: 
     finally:
         client.stop_stream()
         client.close()
+
+
+def remote_speculate(http_url: str, prompt_ids: list[int], max_new_tokens: int, depth: int,
+                     temperature: float = 0.0, seed: int = 0) -> SpecResult:
+    """The server's speculation as a `SpecResult`, comparable field by field with `speculate(...)`."""
+    from eagle31_export.errors import UserError
+
+    try:
+        got = generate(http_url, list(prompt_ids), max_new_tokens, depth, temperature=temperature, seed=seed)
+    except Exception as err:  # connection refused, model missing, server-side error: one line
+        raise UserError(f"Triton server at {http_url}: {str(err).splitlines()[0] if str(err) else err!r}") from None
+    drafts = [[int(t) for t in row] for row in got.stats.get("draft_tokens", [])]
+    return SpecResult(tokens=got.tokens, drafts=drafts, accepted_per_step=got.accepted_per_step, depth=depth)

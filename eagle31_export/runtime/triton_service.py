@@ -102,16 +102,19 @@ class SpeculationService:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, depth: int | None = None,
-                 stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None) -> SpecResult:
-        """Greedy chain speculation; `on_tokens` receives tokens round by round as they are committed
-        (the tokens of the last round are in the result only: the caller sends them with the statistics)."""
+                 stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None,
+                 temperature: float = 0.0, seed: int = 0) -> SpecResult:
+        """Chain speculation (greedy at temperature 0); `on_tokens` receives tokens round by round as they
+        are committed (the last round's are in the result only: the caller sends them with the statistics)."""
         if not prompt_ids:
             raise UserError("empty prompt: send at least one token")
         if max_new_tokens < 1:
             raise UserError(f"max_tokens must be >= 1 (got {max_new_tokens})")
+        if temperature < 0:
+            raise UserError(f"temperature must be >= 0 (got {temperature})")
         drafter = self.drafter if on_tokens is None else _CommitObserver(self.drafter, len(prompt_ids), on_tokens)
         return speculate(self.target, drafter, list(prompt_ids), max_new_tokens, depth or self.depth,
-                         stop_ids=tuple(stop_ids))
+                         temperature, seed, stop_ids=tuple(stop_ids))
 
 
 def load_tokenizer(target: str | os.PathLike):
