@@ -139,6 +139,18 @@ def test_several_layers_use_midlayer_n_and_hidden_norm(tmp_path, llama_info, lla
     assert set(back.tensors) == set(random_drafter(cfg).tensors) - {"t2d"}
 
 
+def test_mla_drafter_resolves_to_the_eagle3_class(tmp_path, llama_info, llama_target):
+    cfg = drafter_config_for(llama_info, mla=True, fc_norm=True, norm_output=True)
+    src = write_drafter(random_drafter(cfg), tmp_path / "src", "modelopt")
+    from eagle31_export.export.trtllm import export_trtllm
+
+    out = export_trtllm(src, llama_target, tmp_path / "b")
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    assert trtllm_architecture(config) == "EAGLE3LlamaForCausalLM" and config["kv_lora_rank"] == 16  # MLA inside
+    assert "midlayer.self_attn.kv_a_proj_with_mqa.weight" in tensors_of(out / "drafter")
+    assert read_trtllm_drafter(out / "drafter").config.attention == "mla"
+
+
 def test_copy_target(tmp_path, eagle31_dir, llama_target):
     from eagle31_export.export.trtllm import export_trtllm
 

@@ -13,7 +13,9 @@ What its Eagle3 draft model (`_torch/models/modeling_speculative.py`) reads, and
   draft_vocab_size != vocab_size and is int32; `t2d` is not read; `lm_head` present means the
   drafter's own, absent means the target's; `embed_tokens` is needed only when hidden sizes differ.
 
-Drafters it would run differently from the reference are refused, never written.
+Tapped layers arrive in ascending order (`triton_bundle.ascending_taps`): TensorRT-LLM concatenates
+the captured states in layer order. Drafters it would run differently from the reference are
+refused, never written.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from eagle31_export.formats.drafter import DrafterCheckpoint
 from eagle31_export.formats.drafter_formats import _llama_fields, _llama_keys
 from eagle31_export.formats.safetensors_io import SafetensorsDir, read_json, save_tensors, write_json
 
-GQA_ARCHITECTURE = "LlamaForCausalLMEagle3"
-MLA_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"
+# Resolves to the registered `EAGLE3LlamaForCausalLM` (Eagle3ForCausalLM), which switches to MLA
+# attention by itself when the config has `kv_lora_rank`. An "Eagle3DeepseekV3..." name would
+# resolve to "EAGLE3DeepseekV3ForCausalLM", which the releases read here do not register.
+ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def trtllm_problems(ckpt: DrafterCheckpoint) -> list[str]:
@@ -64,8 +68,8 @@ def trtllm_config(cfg: DrafterConfig) -> dict[str, Any]:
     ids = list(cfg.aux_layer_ids or ())
     mla = cfg.attention == "mla"
     return {
-        "architectures": [MLA_ARCHITECTURE if mla else GQA_ARCHITECTURE],
-        "model_type": "deepseek_v3" if mla else "llama",
+        "architectures": [ARCHITECTURE],
+        "model_type": "deepseek_v3" if mla else "llama",  # DeepseekV3Config carries the MLA ranks
         **_llama_keys(cfg),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.effective_target_hidden_size,
