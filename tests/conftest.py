@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# The tiny models here are far too small to gain from intra-op threads; on a 2-core machine
+# threads only contend with each other (10-20x slower under load).
+torch.set_num_threads(1)
+
 from eagle31_export.fixtures import drafter_config_for, make_target, random_drafter
 from eagle31_export.formats.drafter import write_drafter
 from eagle31_export.formats.target import read_target_info

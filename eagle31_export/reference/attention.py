@@ -18,8 +18,11 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
 
-    def length(self) -> int:
-        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
+    def length(self, layer: int = 0) -> int:
+        """Cached positions of `layer`; layer 0 by default (all layers agree between calls)."""
+        if len(self.keys) <= layer or self.keys[layer] is None:
+            return 0
+        return self.keys[layer].shape[2]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.keys) <= layer:
@@ -63,7 +66,7 @@ class GqaAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos_sin(positions, self.inv_freq, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        past = cache.length()
+        past = cache.length(self.layer_id)
         k, v = cache.append(self.layer_id, k, v)
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -109,7 +112,7 @@ class MlaAttention(nn.Module):
         cos, sin = cos_sin(positions, self.inv_freq, x.dtype)
         q_pe = apply_rope(_deinterleave(q_pe), cos, sin)
         k_pe = apply_rope(_deinterleave(k_pe.unsqueeze(1)), cos, sin).expand(b, h, t, m.qk_rope_head_dim)
-        past = cache.length()
+        past = cache.length(self.layer_id)
         k, v = cache.append(self.layer_id, torch.cat([k_nope, k_pe], -1), v)
         q = torch.cat([q_nope, q_pe], -1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, past, q.dtype), scale=m.qk_head_dim ** -0.5)
