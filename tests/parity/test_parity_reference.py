@@ -34,9 +34,9 @@ def test_faithful_export_passes_in_every_format(cli, tmp_path, eagle31_dir, eagl
 
 
 @pytest.mark.parametrize("bug,symptom", [
-    ("shifted_ids", "first draft token differs: tapped layers"),
-    ("pre_norm", "fed-back state (pre- vs post-norm feedback"),
-    ("no_fc_norm", "first draft token differs: tapped layers, fc or fc_norm"),
+    ("shifted_ids", "first-step draft logits differ"),
+    ("pre_norm", "later drafts differ: fed-back state (pre- vs post-norm feedback"),
+    ("no_fc_norm", "first-step draft logits differ"),
 ])
 def test_each_broken_export_is_caught(cli, tmp_path, eagle31_dir, eagle31_ckpt, llama_target, bug, symptom):
     broken = {"shifted_ids": lambda c: shift_aux_ids(c, 8), "pre_norm": pre_norm_feedback,
