@@ -14,12 +14,14 @@ def register(export_app: typer.Typer) -> None:
 def triton(
     bundle: Path = typer.Option(..., "--bundle", help="Folder written by `export trtllm|vllm|sglang`."),
     out: Path = typer.Option(..., "--out", help="Model repository folder to write."),
-    flavor: str = typer.Option(..., "--flavor", help="trtllm (TensorRT-LLM LLM API) or cpu (reference loop)."),
+    flavor: str = typer.Option(..., "--flavor", help="trtllm (TensorRT-LLM LLM API) or cpu (speculation loop)."),
+    runtime: str = typer.Option("onnxruntime", "--runtime",
+                                help="cpu flavour: onnxruntime (exported graphs) or reference (PyTorch)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
 ) -> None:
     """Triton repository: TensorRT-LLM's LLM-API model (trtllm) or python-backend speculation (cpu)."""
     from eagle31_export.export.triton import export_triton
 
-    path = export_triton(bundle, out, flavor, force)
+    path = export_triton(bundle, out, flavor, force, runtime)
     hint = f"eagle31-export serve {path}" if flavor == "cpu" else f"see {path / 'README.md'}"
     typer.echo(f"Triton repository written to {path} ({hint})")

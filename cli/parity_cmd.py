@@ -21,7 +21,7 @@ def parity(
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="Reference drafter checkpoint."),
     target: Optional[Path] = typer.Option(None, "--target", help="Reference target checkpoint."),
     runtime: str = typer.Option("onnxruntime", "--runtime", help="onnxruntime, reference or triton."),
-    url: Optional[str] = typer.Option(None, "--url", help="Triton server HOST:PORT (grpc) for --runtime triton."),
+    url: Optional[str] = typer.Option(None, "--url", help="Triton server HTTP HOST:PORT for --runtime triton."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL: {\"prompt_ids\": [...]} or {\"text\": ...}."),
     depth: int = typer.Option(3, "--depth", min=1),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
@@ -31,7 +31,7 @@ def parity(
     as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
 ) -> None:
     """Run reference and runtime on the same prompts; compare tokens, drafts, acceptance."""
-    from eagle31_export.parity.compare import run_parity
+    from eagle31_export.parity.compare import loop_runner, run_parity
     from eagle31_export.parity.report import markdown, write_report
     from eagle31_export.parity.sides import load_prompts, resolve_sides
 
@@ -40,7 +40,8 @@ def parity(
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"parity vs {sides.runtime_name}", total=len(prompt_ids))
-        report = run_parity((sides.reference.target, sides.reference.drafter), sides.runtime, prompt_ids, depth,
+        reference = loop_runner(sides.reference.target, sides.reference.drafter)
+        report = run_parity(reference, sides.runtime, prompt_ids, depth,
                             max_new_tokens, temperature, seed, sides.exact, sides.runtime_name,
                             on_prompt=lambda _: progress.advance(task))
     if out is not None:

@@ -93,7 +93,8 @@ def pbtxt(name: str, inputs: list, outputs: list, decoupled: bool | None, max_ba
     return "\n".join(lines) + "\n"
 
 
-def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, flavor: str, force: bool = False) -> Path:
+def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, flavor: str, force: bool = False,
+                  runtime: str = "onnxruntime") -> Path:
     if flavor not in FLAVORS:
         raise UserError(f"unknown --flavor {flavor!r}; choose one of {', '.join(FLAVORS)}")
     record = read_bundle(bundle)
@@ -101,7 +102,10 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, flavor: str
         raise UserError(f"--flavor trtllm needs a bundle from `export trtllm`; {bundle} is a {record['kind']} bundle")
     out = Path(out)
     with atomic_output_dir(out, force=force) as tmp:
-        (write_trtllm_repo if flavor == "trtllm" else write_cpu_repo)(record, Path(bundle).resolve(), tmp)
+        if flavor == "trtllm":
+            write_trtllm_repo(record, Path(bundle).resolve(), tmp)
+        else:
+            write_cpu_repo(record, Path(bundle).resolve(), tmp, runtime)
     return out
 
 
@@ -127,7 +131,9 @@ def write_trtllm_repo(record: dict[str, Any], bundle: Path, repo: Path) -> None:
     (repo / "README.md").write_text(_trtllm_readme(record, repo))
 
 
-def write_cpu_repo(record: dict[str, Any], bundle: Path, repo: Path) -> None:
+def write_cpu_repo(record: dict[str, Any], bundle: Path, repo: Path, runtime: str = "onnxruntime") -> None:
+    """A python-backend repository serving the pair through the speculation loop, on ONNX Runtime
+    (the exported graphs, written into the repository) or on the PyTorch reference."""
     from eagle31_export.reference.pair import check_pair
     from eagle31_export.formats.target import read_target_info
 
@@ -138,7 +144,14 @@ def write_cpu_repo(record: dict[str, Any], bundle: Path, repo: Path) -> None:
     speculate = repo / SPECULATE_MODEL
     pair = speculate / "1" / "pair"
     write_drafter_files(ckpt, pair / "drafter", "speculators")
+    if runtime == "onnxruntime":
+        from eagle31_export.export.onnx_export import export_onnx
+
+        export_onnx(pair / "drafter", pair / "onnx", record["target"])
+    elif runtime != "reference":
+        raise UserError(f"unknown --runtime {runtime!r}; choose onnxruntime or reference")
     write_json(pair / "pair.json", {"target": record["target"], "drafter": "drafter", "dtype": "fp32",
+                                    "runtime": runtime, "onnx": "onnx",
                                     "max_draft_len": record["max_draft_len"], "bundle": str(bundle),
                                     "bundle_kind": record["kind"]})
     shutil.copyfile(HERE / "triton_cpu_model.py", speculate / "1" / "model.py")
@@ -146,7 +159,7 @@ def write_cpu_repo(record: dict[str, Any], bundle: Path, repo: Path) -> None:
     (speculate / "config.pbtxt").write_text(pbtxt(
         SPECULATE_MODEL, CPU_INPUTS + [streaming], CPU_OUTPUTS, decoupled=True, max_batch_size=0,
         parameters={"pair_dir": "pair", "default_max_tokens": "64"},
-        comment="EAGLE speculation through the reference loop; decoupled: stream with gRPC."))
+        comment=f"EAGLE speculation loop on {runtime}; decoupled: stream with gRPC."))
     generate = repo / GENERATE_MODEL
     (generate / "1").mkdir(parents=True)
     shutil.copyfile(HERE / "triton_generate_model.py", generate / "1" / "model.py")
@@ -154,11 +167,11 @@ def write_cpu_repo(record: dict[str, Any], bundle: Path, repo: Path) -> None:
         GENERATE_MODEL, CPU_INPUTS, CPU_OUTPUTS, decoupled=False, max_batch_size=0,
         parameters={"speculation_model": SPECULATE_MODEL},
         comment=f"Plain request/response front for {SPECULATE_MODEL} (Triton BLS)."))
-    (repo / "README.md").write_text(_cpu_readme(record, repo))
+    (repo / "README.md").write_text(_cpu_readme(record, repo, runtime))
 
 
-def _cpu_readme(record: dict[str, Any], repo: Path) -> str:
-    return f"""# Triton repository (cpu flavour): EAGLE speculation through the reference loop
+def _cpu_readme(record: dict[str, Any], repo: Path, runtime: str) -> str:
+    return f"""# Triton repository (cpu flavour): EAGLE speculation loop on {runtime}
 
 Serve: `eagle31-export serve {repo.name} --port 8000 --grpc-port 8001` (Triton's python backend runs the
 interpreter first on PATH and ignores PYTHONPATH; `serve` puts this environment's first, so the installed
@@ -179,7 +192,8 @@ the same seed gives the same tokens as `eagle31-export speculate --temperature T
 
 Checkpoints: the drafter is copied into `{SPECULATE_MODEL}/1/pair/drafter` (speculators layout, tapped
 layers explicit); the target is referenced by path: `{record['target']}`.
-To run the ONNX Runtime backends instead of PyTorch, set `RUNTIME` in `{SPECULATE_MODEL}/1/model.py`.
+Runtime: `{runtime}` ({"the exported ONNX graphs in `pair/onnx`, run by ONNX Runtime" if runtime == "onnxruntime"
+else "the PyTorch reference"}); `pair/pair.json` names it (`export triton --runtime onnxruntime|reference`).
 """
 
 

@@ -14,9 +14,6 @@ import triton_python_backend_utils as pb_utils
 
 from eagle31_export.runtime.triton_service import SpeculationService, statistics
 
-# The one line to change to serve the exported ONNX graphs instead of the PyTorch reference.
-RUNTIME = "reference"
-
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -30,7 +27,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         pair_dir = os.path.join(os.path.dirname(__file__), params.get("pair_dir", "pair"))
-        self.service = SpeculationService.from_dir(pair_dir, RUNTIME)
+        self.service = SpeculationService.from_dir(pair_dir)  # runtime named in pair.json
         self.default_max_tokens = int(params.get("default_max_tokens", "64"))
 
     def execute(self, requests):

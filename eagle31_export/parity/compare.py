@@ -102,14 +102,22 @@ def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResu
     )
 
 
-def run_parity(reference, runtime, prompts: list[list[int]], depth: int, max_new_tokens: int,
+# (prompt ids, max_new_tokens, depth, temperature, seed) -> the run's result
+Runner = Callable[[list[int], int, int, float, int], SpecResult]
+
+
+def loop_runner(target, drafter) -> Runner:
+    """The one speculation loop over a (TargetBackend, DrafterBackend) pair."""
+    return lambda prompt, n, depth, temperature, seed: speculate(target, drafter, prompt, n, depth, temperature, seed)
+
+
+def run_parity(reference: Runner, runtime: Runner, prompts: list[list[int]], depth: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, exact: bool = True, runtime_name: str = "runtime",
                thresholds: Thresholds = Thresholds(), on_prompt: Callable[[int], None] | None = None) -> ParityReport:
-    """`reference` and `runtime` are (TargetBackend, DrafterBackend) pairs."""
     report = ParityReport(runtime_name, depth, temperature, exact, thresholds)
     for i, prompt in enumerate(prompts):
-        ref = speculate(*reference, prompt, max_new_tokens, depth, temperature, seed + i)
-        run = speculate(*runtime, prompt, max_new_tokens, depth, temperature, seed + i)
+        ref = reference(prompt, max_new_tokens, depth, temperature, seed + i)
+        run = runtime(prompt, max_new_tokens, depth, temperature, seed + i)
         atol = thresholds.logits_atol if exact else thresholds.half_precision_logits_atol
         report.rows.append(compare_prompt(i, prompt, ref, run, atol))
         if on_prompt:

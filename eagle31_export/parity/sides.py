@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from eagle31_export.errors import UserError
+from eagle31_export.parity.compare import Runner, loop_runner
 from eagle31_export.reference.pair import ReferencePair, load_pair
 
 RUNTIMES = ("reference", "onnxruntime", "triton")
@@ -26,7 +27,7 @@ RUNTIMES = ("reference", "onnxruntime", "triton")
 @dataclass
 class Sides:
     reference: ReferencePair
-    runtime: tuple  # (TargetBackend, DrafterBackend)
+    runtime: Runner
     runtime_name: str
     exact: bool  # fp32 end to end: accepted_per_step must match exactly
     reference_target_path: Path | None = None
@@ -56,7 +57,7 @@ def resolve_sides(runtime: str, bundle: Path | None, drafter: Path | None, targe
     reference = load_pair(drafter, target, dtype=torch.float32)
     if runtime == "reference":
         other = load_pair(bundle or drafter, target, dtype=torch.float32)
-        sides = Sides(reference, (other.target, other.drafter), "reference", True)
+        sides = Sides(reference, loop_runner(other.target, other.drafter), "reference", True)
     elif runtime == "onnxruntime":
         sides = _onnxruntime_side(reference, bundle, drafter, target, workdir)
     else:
@@ -77,15 +78,16 @@ def _onnxruntime_side(reference, bundle, drafter, target, workdir) -> Sides:
     ort_target, ort_drafter = load_backends(bundle)
     if ort_target is None:
         raise UserError(f"{bundle}: exported without a target graph; export with --target for parity")
-    return Sides(reference, (ort_target, ort_drafter), "onnxruntime", export.meta.get("dtype") == "fp32")
+    return Sides(reference, loop_runner(ort_target, ort_drafter), "onnxruntime", export.meta.get("dtype") == "fp32")
 
 
 def _triton_side(reference, url) -> Sides:
     if not url:
-        raise UserError("--runtime triton needs --url HOST:PORT of a running server (see `eagle31-export serve`)")
-    from eagle31_export.runtime.triton_client import TritonSpeculationBackends
+        raise UserError("--runtime triton needs --url HOST:PORT (HTTP) of a running server (see `eagle31-export serve`)")
+    from eagle31_export.runtime.triton_client import remote_speculate
 
-    return Sides(reference, TritonSpeculationBackends(url).backends(), "triton", True)
+    # The server runs the whole loop; its rounds come back as a SpecResult (no draft logits).
+    return Sides(reference, lambda p, n, d, t, s: remote_speculate(url, p, n, d, t, s), "triton", True)
 
 
 def load_prompts(path: Path | None, target: Path, count: int = 8, seed: int = 0) -> list[list[int]]:

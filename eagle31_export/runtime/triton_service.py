@@ -88,9 +88,10 @@ class SpeculationService:
         self.target, self.drafter, self.tokenizer, self.depth = target, drafter, tokenizer, depth
 
     @classmethod
-    def from_dir(cls, pair_dir: str | os.PathLike, runtime: str = "reference") -> "SpeculationService":
+    def from_dir(cls, pair_dir: str | os.PathLike, runtime: str | None = None) -> "SpeculationService":
+        """`runtime` None: the one pair.json names (what `export triton` chose)."""
         spec = read_json(Path(pair_dir) / PAIR_FILE)
-        target, drafter = select_backends(pair_dir, runtime)
+        target, drafter = select_backends(pair_dir, runtime or spec.get("runtime", "reference"))
         return cls(target, drafter, load_tokenizer(spec["target"]), int(spec.get("max_draft_len", 3)))
 
     def encode(self, text: str) -> list[int]:
