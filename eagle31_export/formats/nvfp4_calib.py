@@ -53,6 +53,8 @@ def read_calibration_prompts(path: str | os.PathLike, model_dir: str | os.PathLi
         elif isinstance(row, dict) and isinstance(row.get("text"), str):
             tokenizer = tokenizer or _tokenizer(model_dir, where)
             ids = tokenizer(row["text"])["input_ids"]
+            if not ids:
+                raise UserError(f"{where}: 'text' tokenizes to no tokens; give a non-empty prompt")
         else:
             raise UserError(f"{where}: expected an object with 'prompt_ids' (list of ints) or 'text' (string)")
         bad = [i for i in ids if not 0 <= i < vocab_size]
