@@ -13,7 +13,7 @@ def register(app: typer.Typer) -> None:
 
 def demo(out: Path = typer.Option(Path("out/demo"), "--out", help="Where the demo writes its artifacts."),
          force: bool = typer.Option(True, "--force/--no-force", help="Replace an earlier demo output.")) -> None:
-    """Build a tiny pair, inspect it, and compare EAGLE-3 vs EAGLE 3.1 acceptance at depths 1..6."""
+    """The tiny trained pair through inspect, NVFP4, every export, parity on ONNX Runtime, and tau by depth."""
     from eagle31_export.demo import run_demo
 
     run_demo(out, force=force)

@@ -1,4 +1,5 @@
-"""The demo: a tiny pair made by code, through every format, inspected, and speculated."""
+"""The demo: the embedded tiny trained pair through inspect, NVFP4, every export that runs here,
+parity on ONNX Runtime, and EAGLE-3 vs EAGLE 3.1 acceptance at depths 1..6."""
 
 from __future__ import annotations
 
@@ -10,63 +11,134 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from eagle31_export.fixtures import drafter_config_for, make_target, random_drafter
-from eagle31_export.formats.drafter import write_drafter
-from eagle31_export.formats.drafter_formats import FORMATS
+from eagle31_export.errors import MissingRuntimeError
 from eagle31_export.formats.safetensors_io import atomic_output_dir
-from eagle31_export.formats.target import read_target_info
 from eagle31_export.inspection import inspect_path
+from eagle31_export.parity.acceptance import tau_by_depth
+from eagle31_export.parity.compare import loop_runner, run_parity
+from eagle31_export.parity.report import write_report
+from eagle31_export.parity.tiny_pair import (
+    DRAFTERS,
+    TARGET,
+    TARGET_NVFP4,
+    held_out_prompts,
+    mixed_length_prompts,
+    models_dir,
+)
 from eagle31_export.reference.pair import load_pair
-from eagle31_export.reference.speculate import greedy_decode, speculate
 
-PROMPTS = [[1, 5, 9, 13, 17], [200, 3, 77, 41], [8, 8, 8, 8, 8, 8], [250, 120, 60, 30, 15]]
 DEPTHS = range(1, 7)
+PROMPTS = 8
+NEW_TOKENS = 32
 
 
 def run_demo(out: Path, force: bool = True) -> None:
     console = Console()
-    with atomic_output_dir(out, force=force) as tmp:
-        target = make_target(tmp / "target", "llama")
-        info = read_target_info(target)
-        variants = {"EAGLE-3": drafter_config_for(info), "EAGLE 3.1": drafter_config_for(info, fc_norm=True,
-                                                                                            norm_output=True)}
-        rows, reports = [], {}
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("formats and speculation", total=len(variants) * (len(FORMATS) + len(DEPTHS)))
-            for label, cfg in variants.items():
-                ckpt = random_drafter(cfg, seed=1)  # same weights for both variants: only the flags differ
-                for fmt in FORMATS:
-                    folder = tmp / "drafters" / f"{label.replace(' ', '').lower()}-{fmt}"
-                    write_drafter(ckpt, folder, fmt)
-                    reports[folder.name] = inspect_path(folder, target)
-                    progress.advance(task)
-                pair = load_pair(folder, target, dtype=torch.float32)
-                for depth in DEPTHS:
-                    taus, lossless = [], True
-                    for prompt in PROMPTS:
-                        res = speculate(pair.target, pair.drafter, prompt, 24, depth)
-                        taus.append(res.acceptance_length)
-                        lossless &= res.tokens == greedy_decode(pair.target, prompt, 24)
-                    rows.append((label, depth, sum(taus) / len(taus), lossless))
-                    progress.advance(task)
+    torch.set_num_threads(1)  # tiny models: threads only contend
+    models = models_dir()
+    drafter31 = models / DRAFTERS["EAGLE 3.1"]
+    prompts = held_out_prompts(64)[:PROMPTS]
+    with atomic_output_dir(out, force=force) as tmp, Progress(console=console, transient=True) as progress:
+        steps = progress.add_task("demo", total=6)
+        reports = {name: inspect_path(models / name, None if name.startswith("target") else models / TARGET)
+                   for name in (TARGET, TARGET_NVFP4, *DRAFTERS.values())}
         (tmp / "inspect.json").write_text(json.dumps(reports, indent=2) + "\n")
-        (tmp / "tau.json").write_text(json.dumps([dict(zip(("drafter", "depth", "tau", "lossless"), r))
-                                                  for r in rows], indent=2) + "\n")
-    _render(console, reports, rows, out)
+        progress.advance(steps)
+        exports = _exports(drafter31, models / TARGET, tmp)
+        progress.advance(steps)
+        pair = load_pair(drafter31, models / TARGET)
+        from eagle31_export.runtime.onnxruntime import load_backends
+
+        ort = loop_runner(*load_backends(tmp / "onnx"))
+        parity = run_parity(loop_runner(pair.target, pair.drafter), ort, mixed_length_prompts(), 3, NEW_TOKENS,
+                            runtime_name="onnxruntime")
+        write_report(parity, tmp / "parity")
+        progress.advance(steps)
+        taus = {}
+        for target in (TARGET, TARGET_NVFP4):
+            for label, folder in DRAFTERS.items():
+                taus[(target, label)] = tau_by_depth(load_pair(models / folder, models / target), prompts, DEPTHS,
+                                                     NEW_TOKENS)
+                progress.advance(steps, 0.75)
+        (tmp / "tau.json").write_text(json.dumps([{"target": t, "drafter": d, "tau_by_depth": v}
+                                                  for (t, d), v in taus.items()], indent=2) + "\n")
+        _plot_taus(taus, tmp / "tau_by_depth.png")
+    _render(console, reports, exports, parity, taus, out)
 
 
-def _render(console: Console, reports: dict, rows: list, out: Path) -> None:
-    table = Table(title="drafter formats (read back and checked against the target)")
-    for col in ("checkpoint", "format", "EAGLE", "tapped (output of layer)", "problems"):
+def _exports(drafter: Path, target: Path, tmp: Path) -> dict[str, str]:
+    """Every export that can run on this machine; the rest say why not."""
+    from eagle31_export.export.engine import build_engines
+    from eagle31_export.export.onnx_export import export_onnx
+    from eagle31_export.export.sglang import export_sglang
+    from eagle31_export.export.triton import export_triton
+    from eagle31_export.export.trtllm import export_trtllm
+    from eagle31_export.export.vllm import export_vllm
+
+    done = {}
+    export_onnx(drafter, tmp / "onnx", target)
+    done["onnx"] = "drafter step graphs + target graph with Eagle31 plugin nodes (ONNX Runtime verified below)"
+    export_trtllm(drafter, target, tmp / "trtllm", max_draft_len=3)
+    done["trtllm"] = "TensorRT-LLM drafter folder + LLM-API YAML (trtllm-serve --config)"
+    export_vllm(drafter, target, tmp / "vllm")
+    done["vllm"] = "vLLM drafter + --speculative-config"
+    export_sglang(drafter, target, tmp / "sglang")
+    done["sglang"] = "SGLang drafter + server flags"
+    export_triton(tmp / "trtllm", tmp / "triton-trtllm", "trtllm")
+    done["triton-trtllm"] = "Triton LLM-API repository (TensorRT-LLM PyTorch backend)"
+    export_triton(tmp / "trtllm", tmp / "triton-cpu", "cpu")
+    done["triton-cpu"] = "Triton python-backend repository on ONNX Runtime (eagle31-export serve)"
+    try:
+        build_engines(tmp / "onnx", tmp / "engines")
+        done["engines"] = "TensorRT engines"
+    except MissingRuntimeError as err:
+        done["engines"] = f"skipped: {err}"
+    return done
+
+
+def _plot_taus(taus: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (target, label), by_depth in taus.items():
+        style = "-" if target == TARGET else ":"
+        ax.plot(list(by_depth), list(by_depth.values()), "o" + style, label=f"{label} ({target})")
+    ax.set(xlabel="draft depth", ylabel="tau (tokens per target forward)",
+           title="Tiny pair, held-out stdlib files, greedy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _render(console: Console, reports: dict, exports: dict, parity, taus: dict, out: Path) -> None:
+    table = Table(title="inspect")
+    for col in ("checkpoint", "kind / format", "EAGLE", "tapped (output of layer)", "quantization", "problems"):
         table.add_column(col)
     for name, rep in reports.items():
-        table.add_row(name, rep["format"], rep["eagle_version"], str(rep["tapped_layers"]["output_of_layer"]),
-                      str(len(rep["problems"])))
+        quant = rep.get("quantization") or {}
+        table.add_row(name, f"{rep['kind']} {rep.get('format', '')}", rep.get("eagle_version", ""),
+                      str((rep.get("tapped_layers") or {}).get("output_of_layer", "")),
+                      f"{quant.get('algo', '')} {quant.get('format', '')}".strip() or "-", str(len(rep["problems"])))
     console.print(table)
-    tau = Table(title="acceptance length tau, greedy (random-weight tiny pair: tau ~ 1 is expected)")
-    for col in ("drafter", "depth", "tau", "output == target greedy"):
-        tau.add_column(col)
-    for label, depth, t, lossless in rows:
-        tau.add_row(label, str(depth), f"{t:.3f}", "yes" if lossless else "[red]NO[/]")
+    exp = Table(title="exports")
+    exp.add_column("artifact")
+    exp.add_column("result")
+    for name, what in exports.items():
+        exp.add_row(name, what)
+    console.print(exp)
+    verdict = "[green]PASS[/]" if parity.passed else "[red]FAIL[/]"
+    console.print(f"parity, ONNX Runtime vs PyTorch reference (EAGLE 3.1, depth 3, {len(parity.rows)} prompts): "
+                  f"{verdict}, tau {parity.tau('reference'):.3f} vs {parity.tau('runtime'):.3f}")
+    tau = Table(title="acceptance length tau by draft depth (held-out files, greedy)")
+    tau.add_column("target")
+    tau.add_column("drafter")
+    for d in DEPTHS:
+        tau.add_column(str(d))
+    for (target, label), by_depth in taus.items():
+        tau.add_row(target, label, *(f"{by_depth[d]:.2f}" for d in DEPTHS))
     console.print(tau)
-    console.print(f"artifacts in {out}")
+    console.print(f"artifacts, parity report and plots in {out}")

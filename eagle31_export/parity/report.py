@@ -17,8 +17,10 @@ def write_report(report: ParityReport, folder: Path) -> list[Path]:
 
 def markdown(report: ParityReport) -> str:
     verdict = "PASS" if report.passed else "FAIL"
-    worst = min(report.rows, key=lambda r: (r.tokens_identical, r.accepted_identical,
-                                            -abs(r.tau_runtime - r.tau_reference)), default=None)
+    worst = min(report.rows, key=lambda r: (r.tokens_identical, r.accepted_identical, r.drafts_identical,
+                                            -abs(r.tau_runtime - r.tau_reference),
+                                            -(r.first_logits_max_abs_diff or 0.0)), default=None)
+    diffs = [r.first_logits_max_abs_diff for r in report.rows if r.first_logits_max_abs_diff is not None]
     lines = [
         f"# Acceptance parity: **{verdict}**",
         "",
@@ -31,8 +33,11 @@ def markdown(report: ParityReport) -> str:
         f"| prompts with identical tokens | {len(report.rows)} | {sum(r.tokens_identical for r in report.rows)} |",
         f"| prompts with identical accepted_per_step | {len(report.rows)} "
         f"| {sum(r.accepted_identical for r in report.rows)} |",
+        f"| prompts with identical drafts | {len(report.rows)} | {sum(r.drafts_identical for r in report.rows)} |",
         "",
     ]
+    if diffs:
+        lines += [f"first-step draft logits: max abs difference {max(diffs):.3g}", ""]
     if worst is not None:
         lines += [f"worst prompt: #{worst.prompt_index} (tau {worst.tau_reference:.3f} -> {worst.tau_runtime:.3f}"
                   + (f"; {worst.symptom}" if worst.symptom else "") + ")", ""]
@@ -56,7 +61,8 @@ def plots(report: ParityReport, folder: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(depth, ref, "o-", label="reference")
     ax.plot(depth, run, "x--", label=report.runtime)
-    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="Acceptance by draft position")
+    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="Acceptance by draft position",
+           xticks=list(depth))
     ax.legend()
     paths.append(_save(fig, folder / "acceptance_by_position.png"))
 
@@ -64,7 +70,8 @@ def plots(report: ParityReport, folder: Path) -> list[Path]:
     idx = [r.prompt_index for r in report.rows]
     ax.bar([i - 0.2 for i in idx], [r.tau_reference for r in report.rows], width=0.4, label="reference")
     ax.bar([i + 0.2 for i in idx], [r.tau_runtime for r in report.rows], width=0.4, label=report.runtime)
-    ax.set(xlabel="prompt", ylabel="tau (tokens per target forward)", title="Acceptance length per prompt")
+    ax.set(xlabel="prompt", ylabel="tau (tokens per target forward)", title="Acceptance length per prompt",
+           xticks=idx)
     ax.legend()
     paths.append(_save(fig, folder / "tau_per_prompt.png"))
 

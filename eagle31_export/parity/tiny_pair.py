@@ -44,3 +44,14 @@ def held_out_prompts(context_len: int = 64, per_text: int = 1, folder: Path | No
     from eagle31_export.parity.acceptance import text_prompts
 
     return text_prompts(tokenizer(folder), held_out_texts(folder), context_len, per_text)
+
+
+def mixed_length_prompts(lengths=(16, 48, 96, 192), per_length: int = 2, folder: Path | None = None) -> list[list[int]]:
+    """Held-out windows of several context lengths (for tau against context length)."""
+    from eagle31_export.parity.acceptance import text_prompts
+
+    tok, texts = tokenizer(folder), held_out_texts(folder)
+    prompts = []
+    for i, length in enumerate(lengths):
+        prompts += text_prompts(tok, texts[i::len(lengths)], length)[:per_length]
+    return prompts
