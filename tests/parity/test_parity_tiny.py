@@ -1,0 +1,99 @@
+"""Acceptance parity on the tiny TRAINED pair (examples/tiny): ONNX Runtime vs the PyTorch
+reference for both drafters on bf16 and NVFP4 targets, the pair's quality floor, and the four
+export bugs users hit in practice, each caught by `parity` with exit code 1 and its symptom."""
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from eagle31_export.export.onnx_export import export_onnx
+from eagle31_export.formats.drafter import read_drafter, write_drafter
+from eagle31_export.parity.acceptance import tau_by_depth
+from eagle31_export.parity.tiny_pair import DRAFTERS, TARGET, TARGET_NVFP4, held_out_prompts, models_dir
+from eagle31_export.reference.pair import load_pair
+
+from sabotage import drop_fc_norm, pre_norm_feedback, shift_aux_ids
+
+MODELS = models_dir()
+EAGLE31 = MODELS / DRAFTERS["EAGLE 3.1"]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "held_out.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in held_out_prompts(48)[:4]))
+    return path
+
+
+def _parity(cli, prompts, out, *args):
+    code, _, err = cli("parity", *args, "--prompts", prompts, "--depth", "3", "--max-new-tokens", "16", "--out", out)
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
+    return code, report, err
+
+
+def test_quality_floor_eagle31_depth3():
+    pair = load_pair(EAGLE31, MODELS / TARGET)
+    tau = tau_by_depth(pair, held_out_prompts(64)[:8], [3], 32)[3]
+    assert tau >= 2.2, f"EAGLE 3.1 tiny drafter tau@3 = {tau:.3f} on held-out files"
+
+
+@pytest.mark.parametrize("target", [TARGET, TARGET_NVFP4])
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS.values()))
+def test_onnxruntime_matches_reference(cli, tmp_path, prompts_file, target, drafter):
+    code, report, err = _parity(cli, prompts_file, tmp_path / "report", "--drafter", MODELS / drafter,
+                                "--target", MODELS / target, "--runtime", "onnxruntime")
+    assert code == 0 and report["passed"], (err, report and report["failures"])
+    assert report["exact_comparison"] is True
+    rows = report["prompts"]
+    assert all(r["tokens_identical"] and r["drafts_identical"] and r["accepted_identical"] for r in rows)
+    assert report["tau_reference"] > 1.5  # a trained pair: the comparison covers accepted drafts
+    assert max(r["first_logits_max_abs_diff"] for r in rows) < 1e-3
+
+
+def test_sampling_parity_is_statistical_and_passes(cli, tmp_path, prompts_file):
+    bundle = export_onnx(EAGLE31, tmp_path / "onnx", MODELS / TARGET)
+    code, report, err = _parity(cli, prompts_file, tmp_path / "report", bundle, "--runtime", "onnxruntime",
+                                "--temperature", "0.8")
+    assert code == 0 and report["passed"], (err, report and report["failures"])
+    assert report["temperature"] == 0.8
+
+
+def _broken_bundle(tmp_path, bug):
+    ckpt = read_drafter(EAGLE31)
+    sabotaged = {"shifted_ids": lambda c: shift_aux_ids(c, 8), "pre_norm": pre_norm_feedback,
+                 "no_fc_norm": drop_fc_norm}[bug](ckpt)
+    drafter = write_drafter(sabotaged, tmp_path / "broken-drafter", "specforge")
+    return export_onnx(drafter, tmp_path / "onnx", MODELS / TARGET)
+
+
+@pytest.mark.parametrize("bug,symptom", [
+    ("shifted_ids", "first-step draft logits differ"),
+    ("pre_norm", "first-step drafts agree, later drafts differ: fed-back state"),
+    ("no_fc_norm", "first-step draft logits differ"),
+])
+def test_broken_drafter_export_is_caught(cli, tmp_path, prompts_file, bug, symptom):
+    bundle = _broken_bundle(tmp_path, bug)
+    code, report, _ = _parity(cli, prompts_file, tmp_path / "report", bundle, "--drafter", EAGLE31,
+                              "--target", MODELS / TARGET, "--runtime", "onnxruntime")
+    assert code == 1 and report["passed"] is False
+    assert any(symptom in f for f in report["failures"]), report["failures"]
+    assert symptom.split(":")[0] in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_inverted_nvfp4_global_scale_is_caught(cli, tmp_path, prompts_file):
+    # compressed-tensors stores 1/weight_scale_2; a converter that forgets to invert it still builds.
+    broken = tmp_path / "target-nvfp4-inverted"
+    shutil.copytree(MODELS / TARGET_NVFP4, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    inverted = {k: (1.0 / v if k.endswith("weight_scale_2") else v) for k, v in tensors.items()}
+    assert sum(k.endswith("weight_scale_2") for k in inverted) > 10
+    save_file(inverted, str(broken / "model.safetensors"))
+    (broken / "manifest.json").unlink()
+    bundle = export_onnx(EAGLE31, tmp_path / "onnx", broken)
+    code, report, _ = _parity(cli, prompts_file, tmp_path / "report", bundle, "--drafter", EAGLE31,
+                              "--target", MODELS / TARGET_NVFP4, "--runtime", "onnxruntime")
+    assert code == 1 and report["passed"] is False
+    assert any("target's own first token differs: target weights or NVFP4 scales" in f
+               for f in report["failures"]), report["failures"]
