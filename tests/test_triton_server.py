@@ -327,3 +327,17 @@ def test_serve_stops_cleanly_on_ctrl_c(tmp_path, repos):
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=30)
         log.close()
+
+
+def test_parity_command_against_the_running_server(server, pair, cli, tmp_path):
+    """`eagle31-export parity --runtime triton`: the served pair passes against the reference."""
+    drafter, target = pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt_ids": {p}}}\n' for p in PROMPTS))
+    code, out, err = cli("parity", "--drafter", drafter, "--target", target, "--runtime", "triton",
+                         "--url", server.http_url, "--prompts", prompts, "--depth", "3", "--max-new-tokens", "16",
+                         "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"], (err, report["failures"])
+    assert all(r["drafts_identical"] and r["accepted_identical"] for r in report["prompts"])
+    assert report["tau_reference"] > 1.0
