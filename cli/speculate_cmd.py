@@ -53,6 +53,8 @@ def speculate(
     onnx_dir: Optional[Path] = typer.Option(None, "--onnx", help="Folder written by `export onnx` (--runtime onnxruntime)."),
     chain: bool = typer.Option(False, "--chain/--no-chain", help="onnxruntime: draft with the exported chain graph "
                                                                  "(one call per round; temperature 0 only)."),
+    kernels: str = typer.Option("torch", "--kernels", help="reference runtime: the fused ops as plain torch (torch) "
+                                                           "or through the plugin kernels (plugins, built on demand)."),
 ) -> None:
     """Chain speculative decoding (PyTorch reference or exported ONNX graphs); prints tokens and acceptance statistics."""
     from eagle31_export.reference.speculate import speculate as run
@@ -63,7 +65,7 @@ def speculate(
         raise UserError("--prompt needs --target (for its tokenizer); or pass --prompt-ids")
     ids = parse_prompt_ids(prompt_ids) if prompt_ids is not None else encode_prompt(target, prompt)
     target_backend, drafter_backend = _backends(runtime, drafter, target, onnx_dir, chain, temperature,
-                                                parse_dtype(dtype), act_quant)
+                                                parse_dtype(dtype), act_quant, kernels)
     result = run(target_backend, drafter_backend, ids, max_new_tokens, depth, temperature, seed)
     if as_json:
         print_json(result.to_json())
@@ -75,7 +77,17 @@ def speculate(
     console.print("per-position acceptance: " + ", ".join(f"{r:.2f}" for r in result.per_position_acceptance))
 
 
-def _backends(runtime, drafter, target, onnx_dir, chain, temperature, dtype, act_quant):
+def _kernel_provider(name: str):
+    if name == "torch":
+        return None  # the drafter's default: reference/ops.py
+    if name == "plugins":
+        from eagle31_export.kernels.torch_ops import PluginKernels
+
+        return PluginKernels()
+    raise UserError(f"unknown --kernels {name!r}; choose torch or plugins")
+
+
+def _backends(runtime, drafter, target, onnx_dir, chain, temperature, dtype, act_quant, kernels="torch"):
     """(target, drafter) backends for the one speculation loop."""
     if runtime == "reference":
         if drafter is None or target is None:
@@ -84,7 +96,7 @@ def _backends(runtime, drafter, target, onnx_dir, chain, temperature, dtype, act
             raise UserError("--onnx / --chain apply to --runtime onnxruntime")
         from eagle31_export.reference.pair import load_pair
 
-        pair = load_pair(drafter, target, dtype=dtype, act_quant=act_quant)
+        pair = load_pair(drafter, target, dtype=dtype, act_quant=act_quant, kernels=_kernel_provider(kernels))
         return pair.target, pair.drafter
     if runtime != "onnxruntime":
         raise UserError(f"unknown --runtime {runtime!r}; choose reference or onnxruntime")

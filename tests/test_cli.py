@@ -85,3 +85,13 @@ def test_console_script_error_has_no_traceback_unless_debug(tmp_path):
     assert plain.returncode == 2 and plain.stderr.startswith("error: ") and "Traceback" not in plain.stderr
     debug = subprocess.run([*exe, "--debug", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_speculate_with_plugin_kernels_agrees_with_torch(cli, eagle31_dir, llama_target):
+    args = ["speculate", "--drafter", eagle31_dir, "--target", llama_target, "--prompt-ids", "9,8,7,6",
+            "--max-new-tokens", "10", "--depth", "3", "--json"]
+    code_t, out_t, _ = cli(*args, "--kernels", "torch")
+    code_p, out_p, err = cli(*args, "--kernels", "plugins")
+    assert code_t == code_p == 0, err
+    torch_run, plugin_run = json.loads(out_t), json.loads(out_p)
+    assert plugin_run["tokens"] == torch_run["tokens"] and plugin_run["drafts"] == torch_run["drafts"]
