@@ -11,7 +11,7 @@ import os
 import shlex
 from pathlib import Path
 
-from eagle31_export.export.triton_bundle import (
+from eagle31_export.export.bundle import (
     BUNDLE_FILE,
     bundle_record,
     check_parallel,

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from eagle31_export.errors import UserError
-from eagle31_export.export.triton_bundle import read_bundle, read_bundle_drafter, write_drafter_files
+from eagle31_export.export.bundle import read_bundle, read_bundle_drafter, write_drafter_files
 from eagle31_export.formats.safetensors_io import atomic_output_dir, read_json, write_json
 
 FLAVORS = ("trtllm", "cpu")

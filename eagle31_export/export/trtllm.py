@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from eagle31_export.export.triton_bundle import (
+from eagle31_export.export.bundle import (
     BUNDLE_FILE,
     CheckedPair,
     bundle_record,

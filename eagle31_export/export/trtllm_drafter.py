@@ -30,7 +30,7 @@ import torch
 from eagle31_export.config import DrafterConfig
 from eagle31_export.errors import CheckpointError, UserError
 from eagle31_export.formats.drafter import DrafterCheckpoint
-from eagle31_export.formats.drafter_formats import _llama_fields, _llama_keys
+from eagle31_export.formats.drafter_formats import llama_fields, llama_keys
 from eagle31_export.formats.safetensors_io import SafetensorsDir, read_json, save_tensors, write_json
 
 # Resolves to the registered `EAGLE3LlamaForCausalLM` (Eagle3ForCausalLM), which switches to MLA
@@ -70,7 +70,7 @@ def trtllm_config(cfg: DrafterConfig) -> dict[str, Any]:
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "deepseek_v3" if mla else "llama",  # DeepseekV3Config carries the MLA ranks
-        **_llama_keys(cfg),
+        **llama_keys(cfg),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.effective_target_hidden_size,
         "fc_norm": cfg.fc_norm,
@@ -149,7 +149,7 @@ def read_trtllm_drafter(path: str | os.PathLike) -> DrafterCheckpoint:
     try:
         ids = tuple(int(i) for i in e["eagle_aux_hidden_state_layer_ids"])
         cfg = DrafterConfig(
-            **_llama_fields(c),
+            **llama_fields(c),
             draft_vocab_size=int(c["draft_vocab_size"]),
             target_hidden_size=int(c["target_hidden_size"]) if c["target_hidden_size"] != c["hidden_size"] else None,
             aux_layer_ids=ids,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle31_export.config import output_to_before_layer
-from eagle31_export.export.triton_bundle import (
+from eagle31_export.export.bundle import (
     BUNDLE_FILE,
     bundle_record,
     check_parallel,

@@ -36,7 +36,7 @@ HF_BOOKKEEPING = {
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
-def _llama_fields(c: dict[str, Any]) -> dict[str, Any]:
+def llama_fields(c: dict[str, Any]) -> dict[str, Any]:
     """Canonical fields from a Llama/DeepSeek-style flat config."""
     try:
         heads = int(c["num_attention_heads"])
@@ -65,7 +65,7 @@ def _llama_fields(c: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _llama_keys(cfg: DrafterConfig) -> dict[str, Any]:
+def llama_keys(cfg: DrafterConfig) -> dict[str, Any]:
     out: dict[str, Any] = {
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -104,6 +104,20 @@ def _num_aux(c: dict[str, Any], ids: tuple[int, ...] | None) -> int:
     if c.get("num_aux_hidden_states"):
         return int(c["num_aux_hidden_states"])
     return len(ids) if ids else 3
+
+
+def _flat_config(c: dict[str, Any], ids: tuple[int, ...] | None, **flags: bool) -> DrafterConfig:
+    """A DrafterConfig from a flat (Llama-style) drafter config, tapped ids already canonical."""
+    flags.setdefault("norm_output", _flag(c, "norm_output"))
+    return DrafterConfig(
+        **llama_fields(c),
+        draft_vocab_size=int(c.get("draft_vocab_size", c["vocab_size"])),
+        target_hidden_size=c.get("target_hidden_size"),
+        aux_layer_ids=ids,
+        num_aux_hidden_states=_num_aux(c, ids),
+        norm_before_residual=_flag(c, "norm_before_residual"),
+        **flags,
+    )
 
 
 def _ids(value: Any) -> tuple[int, ...] | None:
@@ -149,20 +163,10 @@ class EagleFormat(DrafterFormat):
     def read_config(self, c):
         ids = _ids(c.get("eagle_aux_hidden_state_layer_ids"))
         ids = before_layer_to_output(ids) if ids is not None else None
-        cfg = DrafterConfig(
-            **_llama_fields(c),
-            draft_vocab_size=int(c.get("draft_vocab_size", c["vocab_size"])),
-            target_hidden_size=c.get("target_hidden_size"),
-            aux_layer_ids=ids,
-            num_aux_hidden_states=_num_aux(c, ids),
-            fc_norm=_flag(c, "fc_norm"),
-            norm_output=_flag(c, "norm_output"),
-            norm_before_residual=_flag(c, "norm_before_residual"),
-        )
-        return cfg, _unknown(c, self.known)
+        return _flat_config(c, ids, fc_norm=_flag(c, "fc_norm")), _unknown(c, self.known)
 
     def write_config(self, cfg):
-        out = {"architectures": [self.architecture], "model_type": "llama", **_llama_keys(cfg),
+        out = {"architectures": [self.architecture], "model_type": "llama", **llama_keys(cfg),
                "draft_vocab_size": cfg.draft_vocab_size}
         if cfg.target_hidden_size is not None:
             out["target_hidden_size"] = cfg.target_hidden_size
@@ -189,22 +193,13 @@ class SpecForgeFormat(EagleFormat):
     def read_config(self, c):
         eagle_cfg = c.get("eagle_config") or {}
         ids = _ids(eagle_cfg.get("eagle_aux_hidden_state_layer_ids", c.get("eagle_aux_hidden_state_layer_ids")))
-        cfg = DrafterConfig(
-            **_llama_fields(c),
-            draft_vocab_size=int(c.get("draft_vocab_size", c["vocab_size"])),
-            target_hidden_size=c.get("target_hidden_size"),
-            aux_layer_ids=ids,
-            num_aux_hidden_states=_num_aux(c, ids),
-            fc_norm=_flag(c, "fc_norm", "use_aux_norm"),  # sglang accepts use_aux_norm as an alias
-            norm_output=_flag(c, "norm_output"),
-            norm_before_residual=_flag(c, "norm_before_residual"),
-        )
+        cfg = _flat_config(c, ids, fc_norm=_flag(c, "fc_norm", "use_aux_norm"))  # sglang's alias
         unknown = _unknown(c, self.known) + [f"eagle_config.{k}" for k in eagle_cfg
                                              if k != "eagle_aux_hidden_state_layer_ids"]
         return cfg, unknown
 
     def write_config(self, cfg):
-        out = {"architectures": [self.architecture], "model_type": "llama", **_llama_keys(cfg),
+        out = {"architectures": [self.architecture], "model_type": "llama", **llama_keys(cfg),
                "draft_vocab_size": cfg.draft_vocab_size,
                "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}
         if cfg.target_hidden_size is not None:
@@ -236,7 +231,7 @@ class SpeculatorsFormat(DrafterFormat):
             raise CheckpointError("speculators config.json lacks the transformer_layer_config object")
         ids = _ids(c.get("eagle_aux_hidden_state_layer_ids"))
         ids = before_layer_to_output(ids) if ids is not None else None
-        fields = _llama_fields(layer)
+        fields = llama_fields(layer)
         if c.get("torch_dtype") or c.get("dtype"):
             fields["torch_dtype"] = str(c.get("torch_dtype") or c.get("dtype"))
         cfg = DrafterConfig(
@@ -255,7 +250,7 @@ class SpeculatorsFormat(DrafterFormat):
         return cfg, unknown
 
     def write_config(self, cfg):
-        layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **_llama_keys(cfg)}
+        layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **llama_keys(cfg)}
         layer.pop("torch_dtype")
         out = {
             "speculators_model_type": "eagle3",
@@ -297,25 +292,17 @@ class ModelOptFormat(DrafterFormat):
         ids = _ids(e.get("eagle_aux_hidden_state_layer_ids"))
         if e.get("use_aux_hidden_state") is False:
             raise CheckpointError("eagle_config.use_aux_hidden_state is false: an EAGLE-1/2 drafter, not EAGLE-3")
-        cfg = DrafterConfig(
-            **_llama_fields(c),
-            draft_vocab_size=int(c.get("draft_vocab_size", c["vocab_size"])),
-            target_hidden_size=c.get("target_hidden_size"),
-            aux_layer_ids=ids,
-            num_aux_hidden_states=_num_aux(c, ids),
-            fc_norm=_flag(c, "fc_norm"),
-            # TensorRT-LLM reads the feedback flag as eagle_config.return_hidden_post_norm (FACTS.md 6)
-            norm_output=_flag(c, "norm_output") or _flag(e, "return_hidden_post_norm"),
-            norm_before_fc=_flag(e, "norm_before_fc"),
-            norm_before_residual=_flag(c, "norm_before_residual"),
-        )
+        # TensorRT-LLM reads the feedback flag as eagle_config.return_hidden_post_norm (FACTS.md 6)
+        cfg = _flat_config(c, ids, fc_norm=_flag(c, "fc_norm"),
+                           norm_output=_flag(c, "norm_output") or _flag(e, "return_hidden_post_norm"),
+                           norm_before_fc=_flag(e, "norm_before_fc"))
         unknown = _unknown(c, self.known) + [f"eagle_config.{k}" for k in _unknown(e, self.eagle_known)]
         return cfg, unknown
 
     def write_config(self, cfg):
         arch = "Eagle3DeepseekV2ForCausalLM" if cfg.attention == "mla" else "LlamaForCausalLMEagle3"
         out = {"architectures": [arch], "model_type": "deepseek_v3" if cfg.attention == "mla" else "llama",
-               **_llama_keys(cfg), "draft_vocab_size": cfg.draft_vocab_size,
+               **llama_keys(cfg), "draft_vocab_size": cfg.draft_vocab_size,
                "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}
         if cfg.target_hidden_size is not None:
             out["target_hidden_size"] = cfg.target_hidden_size
