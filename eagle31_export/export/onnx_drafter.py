@@ -56,6 +56,8 @@ class DrafterGraphWriter:
         self.cfg: DrafterConfig = drafter.cfg
         self.state = {k: v.detach() for k, v in drafter.state_dict().items()}
         self.inv_freq = drafter.layers[0].self_attn.inv_freq
+        self.rope_scale = drafter.layers[0].self_attn.rope_scale  # yarn's cos/sin factor
+        self.softmax_scale = drafter.layers[0].self_attn.softmax_scale
         self.weights, self.dtype, self.elem = weights, dtype, onnx_elem_type(dtype)
         self.max_positions = max_positions or self.cfg.max_position_embeddings
 
@@ -145,7 +147,7 @@ class DrafterGraphWriter:
 
     def _rope(self, g: GraphBuilder, positions: str) -> tuple[str, str]:
         # Exactly the reference's cos/sin (float64 angles, rounded once to the compute dtype).
-        cos, sin = cos_sin(torch.arange(self.max_positions).unsqueeze(0), self.inv_freq, self.dtype)
+        cos, sin = cos_sin(torch.arange(self.max_positions).unsqueeze(0), self.inv_freq, self.dtype, self.rope_scale)
         return L.rope_tables(g, g.tensor("rope.cos", cos[0]), g.tensor("rope.sin", sin[0]), positions)
 
     def _to_target_ids(self, g: GraphBuilder, draft_ids: str) -> str:
@@ -220,7 +222,7 @@ class DrafterGraphWriter:
         k = L.apply_rope(g, L.split_heads(g, self._linear(g, x, f"{p}.k_proj"), kv, hd), cos, sin, hd)
         v = L.split_heads(g, self._linear(g, x, f"{p}.v_proj"), kv, hd)
         k, v = g.op("Concat", past[0], k, axis=2), g.op("Concat", past[1], v, axis=2)
-        out = L.attention(g, q, k, v, mask, heads, kv, hd, hd)
+        out = L.attention(g, q, k, v, mask, heads, kv, hd, hd, self.softmax_scale)
         return self._linear(g, out, f"{p}.o_proj"), (k, v)
 
     def _mla(self, g: GraphBuilder, p: str, x: str, cos: str, sin: str, past: tuple[str, str], mask: str):
@@ -248,5 +250,6 @@ class DrafterGraphWriter:
         heads_shape = g.op("Concat", g.op("Shape", k_nope, start=0, end=3), g.const([m.qk_rope_head_dim]), axis=0)
         k = g.op("Concat", k_nope, g.op("Expand", k_pe, heads_shape), axis=-1)
         k, v = g.op("Concat", past[0], k, axis=2), g.op("Concat", past[1], v, axis=2)
-        out = L.attention(g, g.op("Concat", q_nope, q_pe, axis=-1), k, v, mask, h, h, m.qk_head_dim, m.v_head_dim)
+        out = L.attention(g, g.op("Concat", q_nope, q_pe, axis=-1), k, v, mask, h, h, m.qk_head_dim, m.v_head_dim,
+                          self.softmax_scale)
         return self._linear(g, out, f"{p}.o_proj"), (k, v)

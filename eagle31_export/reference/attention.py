@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 from eagle31_export.config import DrafterConfig
 from eagle31_export.reference.ops import RMSNorm
-from eagle31_export.reference.rope import apply_rope, cos_sin, inv_frequencies
+from eagle31_export.reference.rope import apply_rope, attention_factor, cos_sin, inv_frequencies, mla_softmax_scale
 
 
 class KVCache:
@@ -57,20 +57,23 @@ class GqaAttention(nn.Module):
         self.k_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.register_buffer("inv_freq", inv_frequencies(self.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        self.register_buffer("inv_freq", inv_frequencies(self.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                                         cfg.max_position_embeddings), persistent=False)
+        self.rope_scale = attention_factor(cfg.rope_scaling)
+        self.softmax_scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos_sin(positions, self.inv_freq, x.dtype)
+        cos, sin = cos_sin(positions, self.inv_freq, x.dtype, self.rope_scale)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         past = cache.length(self.layer_id)
         k, v = cache.append(self.layer_id, k, v)
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, past, q.dtype))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, past, q.dtype), scale=self.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -95,7 +98,10 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(self.heads * m.v_head_dim, cfg.hidden_size, bias=False)
-        self.register_buffer("inv_freq", inv_frequencies(m.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        self.register_buffer("inv_freq", inv_frequencies(m.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                                         cfg.max_position_embeddings), persistent=False)
+        self.rope_scale = attention_factor(cfg.rope_scaling)
+        self.softmax_scale = mla_softmax_scale(m.qk_head_dim, cfg.rope_scaling)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         b, t, _ = x.shape
@@ -109,13 +115,13 @@ class MlaAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent))
         k_nope, v = kv.view(b, t, h, -1).transpose(1, 2).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-        cos, sin = cos_sin(positions, self.inv_freq, x.dtype)
+        cos, sin = cos_sin(positions, self.inv_freq, x.dtype, self.rope_scale)
         q_pe = apply_rope(_deinterleave(q_pe), cos, sin)
         k_pe = apply_rope(_deinterleave(k_pe.unsqueeze(1)), cos, sin).expand(b, h, t, m.qk_rope_head_dim)
         past = cache.length(self.layer_id)
         k, v = cache.append(self.layer_id, torch.cat([k_nope, k_pe], -1), v)
         q = torch.cat([q_nope, q_pe], -1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, past, q.dtype), scale=m.qk_head_dim ** -0.5)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, past, q.dtype), scale=self.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, h * m.v_head_dim))
 
 

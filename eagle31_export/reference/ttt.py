@@ -28,7 +28,7 @@ def ttt_forward(drafter: Eagle3Drafter, taps: torch.Tensor, x: torch.Tensor, unr
     hidden = drafter.fuse_taps(taps)
     keys, values, out_logits = [], [], []
     causal = torch.ones(t, t, dtype=torch.bool).tril()
-    scale = attn.head_dim ** -0.5
+    scale = attn.softmax_scale
     rep = attn.heads // attn.kv_heads
     for k in range(unroll):
         emb = drafter.embed_tokens(x[:, 1 + k:1 + k + t])
@@ -38,7 +38,7 @@ def ttt_forward(drafter: Eagle3Drafter, taps: torch.Tensor, x: torch.Tensor, unr
         q = attn.q_proj(u).view(b, t, attn.heads, attn.head_dim).transpose(1, 2)
         kk = attn.k_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
         v = attn.v_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        cos, sin = cos_sin(torch.arange(t).unsqueeze(0) + k, attn.inv_freq, q.dtype)
+        cos, sin = cos_sin(torch.arange(t).unsqueeze(0) + k, attn.inv_freq, q.dtype, attn.rope_scale)
         q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
         keys.append(kk.repeat_interleave(rep, 1))
         values.append(v.repeat_interleave(rep, 1))
