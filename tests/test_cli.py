@@ -6,25 +6,13 @@ import sys
 
 import pytest
 
-from eagle31_export.cli.main import main
 from eagle31_export.formats.drafter import write_drafter
 from eagle31_export.reference.pair import load_pair
 from eagle31_export.reference.speculate import greedy_decode
 
 
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eagle31-export", *map(str, args)])
-    code = 0
-    try:
-        main()
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def test_inspect_json_contract(monkeypatch, capsys, eagle31_dir, llama_target):
-    code, out, _ = run_cli(monkeypatch, capsys, "inspect", eagle31_dir, "--target", llama_target, "--json")
+def test_inspect_json_contract(cli, eagle31_dir, llama_target):
+    code, out, _ = cli("inspect", eagle31_dir, "--target", llama_target, "--json")
     report = json.loads(out)
     assert code == 0
     assert report["kind"] == "drafter" and report["format"] == "specforge" and report["eagle_version"] == "3.1"
@@ -34,26 +22,26 @@ def test_inspect_json_contract(monkeypatch, capsys, eagle31_dir, llama_target):
     assert report["problems"] == []
 
 
-def test_inspect_eagle3_without_target(monkeypatch, capsys, eagle3_dir):
-    code, out, _ = run_cli(monkeypatch, capsys, "inspect", eagle3_dir, "--json")
+def test_inspect_eagle3_without_target(cli, eagle3_dir):
+    code, out, _ = cli("inspect", eagle3_dir, "--json")
     report = json.loads(out)
     assert code == 0 and report["format"] == "eagle" and report["eagle_version"] == "3"
     assert report["config"]["aux_layer_ids"] is None  # the format's default: needs the target to resolve
 
 
-def test_inspect_reports_incompatibility_and_exits_2(monkeypatch, capsys, tmp_path, eagle31_ckpt, llama_target):
+def test_inspect_reports_incompatibility_and_exits_2(cli, tmp_path, eagle31_ckpt, llama_target):
     bad = eagle31_ckpt.config.replace(aux_layer_ids=(1, 3, 12))
     from eagle31_export.formats.drafter import DrafterCheckpoint
 
     folder = write_drafter(DrafterCheckpoint(bad, eagle31_ckpt.tensors), tmp_path / "bad", "modelopt")
-    code, out, _ = run_cli(monkeypatch, capsys, "inspect", folder, "--target", llama_target, "--json")
+    code, out, _ = cli("inspect", folder, "--target", llama_target, "--json")
     assert code == 2
     assert any("[12]" in p and "out of range" in p for p in json.loads(out)["problems"])
 
 
-def test_speculate_json_contract(monkeypatch, capsys, eagle31_dir, llama_target):
-    code, out, _ = run_cli(monkeypatch, capsys, "speculate", "--drafter", eagle31_dir, "--target", llama_target,
-                           "--prompt-ids", "5,6,7", "--max-new-tokens", "12", "--depth", "3", "--json")
+def test_speculate_json_contract(cli, eagle31_dir, llama_target):
+    code, out, _ = cli("speculate", "--drafter", eagle31_dir, "--target", llama_target,
+                       "--prompt-ids", "5,6,7", "--max-new-tokens", "12", "--depth", "3", "--json")
     assert code == 0
     result = json.loads(out)
     pair = load_pair(eagle31_dir, llama_target)
@@ -71,9 +59,9 @@ def test_speculate_json_contract(monkeypatch, capsys, eagle31_dir, llama_target)
     (["inspect", "{missing}"], "no config.json"),
     (["speculate", "--drafter", "{d}", "--target", "{t}", "--prompt-ids", "1", "--dtype", "fp7"], "unknown dtype"),
 ])
-def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path, eagle31_dir, llama_target, args, message):
+def test_bad_input_is_one_line_and_exit_2(cli, tmp_path, eagle31_dir, llama_target, args, message):
     args = [a.format(d=eagle31_dir, t=llama_target, missing=tmp_path / "nope") for a in args]
-    code, _, err = run_cli(monkeypatch, capsys, *args)
+    code, _, err = cli(*args)
     assert code == 2
     assert message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1

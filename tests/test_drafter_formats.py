@@ -83,20 +83,24 @@ def test_layer_numbering_is_converted_at_the_edge(tmp_path, llama_info):
     assert stored["specforge"] == stored["modelopt"] == [1, 3, 4]  # output of layer i
 
 
+def _edit_config(folder, drop=(), **values):
+    """Rewrite the drafter's config.json: remove the keys in `drop`, then set `values`."""
+    cfg = json.loads((folder / "config.json").read_text())
+    for key in drop:
+        del cfg[key]
+    cfg.update(values)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
 def test_unknown_config_keys_are_reported(tmp_path, eagle31_ckpt):
     folder = write_drafter(eagle31_ckpt, tmp_path / "d", "specforge")
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["mystery_knob"] = 7
-    (folder / "config.json").write_text(json.dumps(cfg))
+    _edit_config(folder, mystery_knob=7)
     assert read_drafter(folder).unknown_config_keys == ["mystery_knob"]
 
 
 def test_use_aux_norm_alias_enables_fc_norm(tmp_path, eagle31_ckpt):
     folder = write_drafter(eagle31_ckpt, tmp_path / "d", "specforge")
-    cfg = json.loads((folder / "config.json").read_text())
-    del cfg["fc_norm"]
-    cfg["use_aux_norm"] = True
-    (folder / "config.json").write_text(json.dumps(cfg))
+    _edit_config(folder, drop=["fc_norm"], use_aux_norm=True)
     assert read_drafter(folder).config.fc_norm
 
 
@@ -125,9 +129,7 @@ def test_wrong_shape_names_file_tensor_expected_and_found(tmp_path, eagle31_ckpt
 def test_fc_norm_weights_without_the_flag_are_refused(tmp_path, eagle31_ckpt):
     # The silent EAGLE 3.1 -> EAGLE-3 downgrade: weights present, flag dropped from config.json.
     folder = write_drafter(eagle31_ckpt, tmp_path / "d", "specforge")
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["fc_norm"] = False
-    (folder / "config.json").write_text(json.dumps(cfg))
+    _edit_config(folder, fc_norm=False)
     with pytest.raises(CheckpointError, match="unexpected tensors.*fc_norm"):
         read_drafter(folder)
 
@@ -153,9 +155,7 @@ def test_pickle_only_checkpoint_is_refused(tmp_path, eagle31_ckpt):
 
 def test_both_norm_flags_are_refused(tmp_path, eagle31_ckpt):
     folder = write_drafter(eagle31_ckpt, tmp_path / "d", "speculators")
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["norm_before_fc"] = True
-    (folder / "config.json").write_text(json.dumps(cfg))
+    _edit_config(folder, norm_before_fc=True)
     with pytest.raises(CheckpointError, match="both fc_norm.*and norm_before_fc"):
         read_drafter(folder)
 

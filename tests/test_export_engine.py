@@ -10,18 +10,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from eagle31_export.cli.main import main
-
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eagle31-export", *map(str, args)])
-    try:
-        main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture
@@ -35,19 +23,18 @@ def onnx_dir(tmp_path):
     return folder
 
 
-def test_missing_tensorrt_is_one_line_exit_2(monkeypatch, capsys, tmp_path, onnx_dir):
+def test_missing_tensorrt_is_one_line_exit_2(monkeypatch, cli, tmp_path, onnx_dir):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import fails, as on machines without it
-    code, _, err = run_cli(monkeypatch, capsys, "export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e")
+    code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "TensorRT is not installed" in err and "pip install tensorrt" in err
     assert not (tmp_path / "e").exists()
 
 
-def test_bad_arguments(monkeypatch, capsys, tmp_path, onnx_dir):
-    code, _, err = run_cli(monkeypatch, capsys, "export", "engine", "--onnx", tmp_path / "none", "--out", tmp_path / "e")
+def test_bad_arguments(cli, tmp_path, onnx_dir):
+    code, _, err = cli("export", "engine", "--onnx", tmp_path / "none", "--out", tmp_path / "e")
     assert code == 2 and "export onnx" in err
-    code, _, err = run_cli(monkeypatch, capsys, "export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e",
-                           "--fp16", "--bf16")
+    code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e", "--fp16", "--bf16")
     assert code == 2 and "at most one of" in err
 
 
@@ -129,13 +116,13 @@ class FakeTensorRT(types.ModuleType):
         self.init_libnvinfer_plugins = lambda logger, ns: fake.calls.append(("init_libnvinfer_plugins", ns))
 
 
-def test_build_sequence_with_a_stand_in_tensorrt(monkeypatch, capsys, tmp_path, onnx_dir):
+def test_build_sequence_with_a_stand_in_tensorrt(monkeypatch, cli, tmp_path, onnx_dir):
     fake = FakeTensorRT()
     monkeypatch.setitem(sys.modules, "tensorrt", fake)
     library = tmp_path / "libeagle31_plugins.so"
     library.write_bytes(b"\x7fELF")
-    code, out, err = run_cli(monkeypatch, capsys, "export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e",
-                             "--plugins", library, "--fp16", "--max-tokens", "512")
+    code, out, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e",
+                         "--plugins", library, "--fp16", "--max-tokens", "512")
     assert code == 0, err
     assert fake.calls[0] == ("init_libnvinfer_plugins", "")
     assert ("load_library", str(library)) in fake.calls
@@ -148,9 +135,9 @@ def test_build_sequence_with_a_stand_in_tensorrt(monkeypatch, capsys, tmp_path, 
     assert (tmp_path / "e" / "manifest.json").is_file()
 
 
-def test_missing_plugin_library(monkeypatch, capsys, tmp_path, onnx_dir):
+def test_missing_plugin_library(monkeypatch, cli, tmp_path, onnx_dir):
     monkeypatch.setitem(sys.modules, "tensorrt", FakeTensorRT())
-    code, _, err = run_cli(monkeypatch, capsys, "export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e",
-                           "--plugins", tmp_path / "missing.so")
+    code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e",
+                       "--plugins", tmp_path / "missing.so")
     assert code == 2 and "plugin library not found" in err
     assert not (tmp_path / "e").exists()

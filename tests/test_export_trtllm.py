@@ -3,14 +3,12 @@
 bad input is refused in one line with nothing written."""
 
 import json
-import sys
 
 import pytest
 import torch
 import yaml
 from safetensors import safe_open
 
-from eagle31_export.cli.main import main
 from eagle31_export.export.trtllm_drafter import read_trtllm_drafter
 from eagle31_export.fixtures import drafter_config_for, random_drafter
 from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter
@@ -18,17 +16,6 @@ from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.reference.pair import load_pair
 from eagle31_export.reference.speculate import ReferenceDrafterBackend, speculate
 from eagle31_export.reference.target import ReferenceTarget
-
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eagle31-export", *map(str, args)])
-    try:
-        main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def tensors_of(folder):
@@ -164,57 +151,54 @@ def no_leftovers(folder):
     return [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
 
 
-def test_tp_that_does_not_divide(monkeypatch, capsys, tmp_path, eagle31_dir, llama_target):
-    code, _, err = run_cli(monkeypatch, capsys, "export", "trtllm", "--drafter", eagle31_dir, "--target",
-                           llama_target, "--out", tmp_path / "b", "--tp", "3")
+def test_tp_that_does_not_divide(cli, tmp_path, eagle31_dir, llama_target):
+    code, _, err = cli("export", "trtllm", "--drafter", eagle31_dir, "--target",
+                       llama_target, "--out", tmp_path / "b", "--tp", "3")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "not divisible by --tp 3" in err
     assert not (tmp_path / "b").exists() and no_leftovers(tmp_path)
 
 
-def test_pp_that_does_not_divide(monkeypatch, capsys, tmp_path, eagle31_dir, llama_target):
-    code, _, err = run_cli(monkeypatch, capsys, "export", "trtllm", "--drafter", eagle31_dir, "--target",
-                           llama_target, "--out", tmp_path / "b", "--pp", "3")
+def test_pp_that_does_not_divide(cli, tmp_path, eagle31_dir, llama_target):
+    code, _, err = cli("export", "trtllm", "--drafter", eagle31_dir, "--target",
+                       llama_target, "--out", tmp_path / "b", "--pp", "3")
     assert code == 2 and "num_hidden_layers 8 is not divisible by --pp 3" in err
     assert not (tmp_path / "b").exists()
 
 
-def test_incompatible_drafter(monkeypatch, capsys, tmp_path, eagle31_ckpt, llama_target):
+def test_incompatible_drafter(cli, tmp_path, eagle31_ckpt, llama_target):
     bad = DrafterCheckpoint(eagle31_ckpt.config.replace(aux_layer_ids=(1, 3, 12)), eagle31_ckpt.tensors)
     src = write_drafter(bad, tmp_path / "bad", "specforge")
-    code, _, err = run_cli(monkeypatch, capsys, "export", "trtllm", "--drafter", src, "--target", llama_target,
-                           "--out", tmp_path / "b")
+    code, _, err = cli("export", "trtllm", "--drafter", src, "--target", llama_target, "--out", tmp_path / "b")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "does not fit target" in err and "[12]" in err
     assert not (tmp_path / "b").exists()
 
 
-def test_existing_output_needs_force(monkeypatch, capsys, tmp_path, eagle31_dir, llama_target):
+def test_existing_output_needs_force(cli, tmp_path, eagle31_dir, llama_target):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "keep.txt").write_text("mine")
     args = ("export", "trtllm", "--drafter", eagle31_dir, "--target", llama_target, "--out", tmp_path / "b")
-    code, _, err = run_cli(monkeypatch, capsys, *args)
+    code, _, err = cli(*args)
     assert code == 2 and "already exists" in err and "--force" in err
     assert (tmp_path / "b" / "keep.txt").read_text() == "mine"
-    code, out, _ = run_cli(monkeypatch, capsys, *args, "--force")
+    code, out, _ = cli(*args, "--force")
     assert code == 0 and (tmp_path / "b" / "llm_api.yaml").is_file() and not (tmp_path / "b" / "keep.txt").exists()
 
 
-def test_target_with_problems_is_refused(monkeypatch, capsys, tmp_path, eagle31_dir, llama_target):
+def test_target_with_problems_is_refused(monkeypatch, cli, tmp_path, eagle31_dir, llama_target):
     import eagle31_export.formats.target as target_mod
 
     monkeypatch.setattr(target_mod, "inspect_target",
                         lambda path: {"problems": ["weight_scale of layers.0.mlp.up_proj has the wrong shape"]})
-    code, _, err = run_cli(monkeypatch, capsys, "export", "trtllm", "--drafter", eagle31_dir, "--target",
-                           llama_target, "--out", tmp_path / "b")
+    code, _, err = cli("export", "trtllm", "--drafter", eagle31_dir, "--target", llama_target, "--out", tmp_path / "b")
     assert code == 2 and "is not servable: weight_scale" in err
     assert not (tmp_path / "b").exists()
 
 
-def test_norm_before_residual_is_refused(monkeypatch, capsys, tmp_path, llama_info, llama_target):
+def test_norm_before_residual_is_refused(cli, tmp_path, llama_info, llama_target):
     cfg = drafter_config_for(llama_info, norm_before_residual=True)
     src = write_drafter(random_drafter(cfg), tmp_path / "src", "speculators")
-    code, _, err = run_cli(monkeypatch, capsys, "export", "trtllm", "--drafter", src, "--target", llama_target,
-                           "--out", tmp_path / "b")
+    code, _, err = cli("export", "trtllm", "--drafter", src, "--target", llama_target, "--out", tmp_path / "b")
     assert code == 2 and "norm_before_residual" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "b").exists() and no_leftovers(tmp_path)

@@ -2,30 +2,17 @@
 and the proof that every format's tapped ids name the same target tensors."""
 
 import json
-import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from eagle31_export.cli.main import main
 from eagle31_export.export.sglang import export_sglang
 from eagle31_export.export.trtllm import export_trtllm
 from eagle31_export.export.vllm import export_vllm
 from eagle31_export.fixtures import drafter_config_for, random_drafter
 from eagle31_export.formats.drafter import read_drafter, write_drafter
 from eagle31_export.reference.target import ReferenceTarget
-
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eagle31-export", *map(str, args)])
-    try:
-        main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def tensor_names(folder):
@@ -122,23 +109,22 @@ def test_mla_drafter_gets_the_deepseek_eagle3_architecture(tmp_path, llama_info,
         assert config["fc_norm"] is True and config["norm_output"] is True
 
 
-def test_sglang_refuses_norm_before_fc(monkeypatch, capsys, tmp_path, llama_info, llama_target):
+def test_sglang_refuses_norm_before_fc(cli, tmp_path, llama_info, llama_target):
     src = write_drafter(random_drafter(drafter_config_for(llama_info, norm_before_fc=True)), tmp_path / "s",
                         "speculators")
-    code, _, err = run_cli(monkeypatch, capsys, "export", "sglang", "--drafter", src, "--target", llama_target,
-                           "--out", tmp_path / "b")
+    code, _, err = cli("export", "sglang", "--drafter", src, "--target", llama_target, "--out", tmp_path / "b")
     assert code == 2 and "norm_before_fc" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
-def test_bad_input_one_line_and_nothing_written(monkeypatch, capsys, tmp_path, kind, eagle31_dir, llama_target):
+def test_bad_input_one_line_and_nothing_written(cli, tmp_path, kind, eagle31_dir, llama_target):
     base = ("export", kind, "--drafter", eagle31_dir, "--target", llama_target)
-    code, _, err = run_cli(monkeypatch, capsys, *base, "--out", tmp_path / "a", "--tp", "3")
+    code, _, err = cli(*base, "--out", tmp_path / "a", "--tp", "3")
     assert code == 2 and "not divisible by --tp 3" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "a").exists()
-    code, _, err = run_cli(monkeypatch, capsys, *base, "--out", tmp_path / "b")
+    code, _, err = cli(*base, "--out", tmp_path / "b")
     assert code == 0
-    code, _, err = run_cli(monkeypatch, capsys, *base, "--out", tmp_path / "b")
+    code, _, err = cli(*base, "--out", tmp_path / "b")
     assert code == 2 and "already exists" in err
     assert [p.name for p in tmp_path.iterdir()] == ["b"]  # no temporary folders left behind

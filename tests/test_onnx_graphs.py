@@ -24,15 +24,6 @@ from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.reference.ops import fc_norm_fusion, post_norm_feedback
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models: one intra-op thread is faster, and far faster on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory, eagle31_dir, llama_target):
     return export_onnx(eagle31_dir, tmp_path_factory.mktemp("onnx") / "out", llama_target,

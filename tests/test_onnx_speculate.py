@@ -12,12 +12,10 @@ state then perturbs later drafts, so acceptance varies between rounds and with `
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
-from eagle31_export.cli.main import main
 from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
 from eagle31_export.fixtures import drafter_config_for, make_target, random_drafter
 from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter
@@ -27,15 +25,6 @@ from eagle31_export.reference.speculate import speculate
 from eagle31_export.runtime.onnxruntime import load_backends
 
 PROMPTS = ([1, 5, 9, 13], [200, 3, 77, 41, 8], [17, 17, 4])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models: one intra-op thread is faster, and far faster on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Recorder:
@@ -176,34 +165,22 @@ def test_sampling_with_onnxruntime_matches_the_reference(pairs):
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eagle31-export", *map(str, args)])
-    code = 0
-    try:
-        main()
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def test_cli_export_then_speculate_with_onnxruntime(monkeypatch, capsys, tmp_path, pairs):
+def test_cli_export_then_speculate_with_onnxruntime(cli, tmp_path, pairs):
     drafter, target, _ = pairs["fp32", True]
     out = tmp_path / "onnx"
-    code, stdout, _ = run_cli(monkeypatch, capsys, "export", "onnx", "--drafter", drafter, "--target", target,
-                              "--out", out, "--chain-depth", "3")
+    code, stdout, _ = cli("export", "onnx", "--drafter", drafter, "--target", target,
+                          "--out", out, "--chain-depth", "3")
     assert code == 0 and (out / "drafter_chain.onnx").is_file() and (out / "manifest.json").is_file()
     common = ["--prompt-ids", "200,3,77,41,8", "--depth", "3", "--max-new-tokens", "16", "--json"]
-    code, ref_out, _ = run_cli(monkeypatch, capsys, "speculate", "--drafter", drafter, "--target", target, *common)
+    code, ref_out, _ = cli("speculate", "--drafter", drafter, "--target", target, *common)
     assert code == 0
     for extra in ([], ["--chain"]):
-        code, ort_out, err = run_cli(monkeypatch, capsys, "speculate", "--runtime", "onnxruntime", "--onnx", out,
-                                     *extra, *common)
+        code, ort_out, err = cli("speculate", "--runtime", "onnxruntime", "--onnx", out, *extra, *common)
         assert code == 0, err
         assert json.loads(ort_out) == json.loads(ref_out)
 
 
-def test_cli_drafter_only_export_verifies_with_the_reference_target(monkeypatch, capsys, tmp_path, pairs):
+def test_cli_drafter_only_export_verifies_with_the_reference_target(cli, tmp_path, pairs):
     drafter, target, _ = pairs["fp32", False]
     out = tmp_path / "drafter-only"
     export_onnx(drafter, out, target)  # the target supplies embeddings and lm_head ...
@@ -212,9 +189,8 @@ def test_cli_drafter_only_export_verifies_with_the_reference_target(monkeypatch,
     del meta["target"]
     (out / "graphs.json").write_text(json.dumps(meta))
     common = ["--prompt-ids", "1,5,9,13", "--depth", "2", "--max-new-tokens", "10", "--json"]
-    code, ref_out, _ = run_cli(monkeypatch, capsys, "speculate", "--drafter", drafter, "--target", target, *common)
-    code2, ort_out, err = run_cli(monkeypatch, capsys, "speculate", "--runtime", "onnxruntime", "--onnx", out,
-                                  "--target", target, *common)
+    code, ref_out, _ = cli("speculate", "--drafter", drafter, "--target", target, *common)
+    code2, ort_out, err = cli("speculate", "--runtime", "onnxruntime", "--onnx", out, "--target", target, *common)
     assert code == code2 == 0, err
     assert json.loads(ort_out) == json.loads(ref_out)
 
@@ -231,10 +207,10 @@ def test_cli_drafter_only_export_verifies_with_the_reference_target(monkeypatch,
     (["speculate", "--runtime", "onnxruntime", "--onnx", "{d}", "--chain", "--temperature", "1",
       "--prompt-ids", "1"], "drafts greedily"),
 ])
-def test_cli_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path, pairs, args, message):
+def test_cli_bad_input_is_one_line_and_exit_2(cli, tmp_path, pairs, args, message):
     drafter, target, _ = pairs["fp32", False]
     filled = [a.format(d=drafter, t=target, o=tmp_path / "out") for a in args]
-    code, _, err = run_cli(monkeypatch, capsys, *filled)
+    code, _, err = cli(*filled)
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()

@@ -21,15 +21,6 @@ from eagle31_export.reference.target import ReferenceTarget
 LAYERS = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models: one intra-op thread is faster, and far faster on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def export_pair(tmp, target, options=OnnxExportOptions()):
     info = read_target_info(target)
     drafter = write_drafter(random_drafter(drafter_config_for(info), seed=1), tmp / "drafter", "specforge")

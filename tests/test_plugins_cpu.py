@@ -7,7 +7,6 @@ temporary folder, as a fresh clone would.
 from __future__ import annotations
 
 import shutil
-import sys
 
 import pytest
 import torch
@@ -263,22 +262,8 @@ def test_empty_batches_pass_through(lib):
 # ---- the CLI ----------------------------------------------------------------------------------------
 
 
-def _run_cli(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
-    from eagle31_export.cli.main import main
-
-    monkeypatch.setattr(sys, "argv", ["eagle31-export", *argv])
-    try:
-        main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_cli_build_reports_parts(monkeypatch, capsys, plugin_build):
-    code, out, _ = _run_cli(monkeypatch, capsys, "plugins", "build", "--no-cuda", "--json",
-                            "--build-dir", str(plugin_build.build_dir))
+def test_cli_build_reports_parts(cli, plugin_build):
+    code, out, _ = cli("plugins", "build", "--no-cuda", "--json", "--build-dir", str(plugin_build.build_dir))
     assert code == 0
     import json
 
@@ -287,17 +272,17 @@ def test_cli_build_reports_parts(monkeypatch, capsys, plugin_build):
     assert report["libraries"]["cpu"].endswith("libeagle31_kernels_cpu.so")
 
 
-def test_cli_missing_nvcc_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+def test_cli_missing_nvcc_is_one_line_and_exit_2(monkeypatch, cli, tmp_path):
     monkeypatch.setattr(build_module, "find_nvcc", lambda: None)
-    code, _, err = _run_cli(monkeypatch, capsys, "plugins", "build", "--cuda", "--build-dir", str(tmp_path))
+    code, _, err = cli("plugins", "build", "--cuda", "--build-dir", str(tmp_path))
     assert code == 2
     assert err.strip().splitlines() == [err.strip()] and err.startswith("error: nvcc not found")
 
 
-def test_cli_missing_cmake_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+def test_cli_missing_cmake_is_one_line_and_exit_2(monkeypatch, cli, tmp_path):
     real_which = shutil.which
     monkeypatch.setattr(build_module.shutil, "which", lambda name, *a, **k: None if name == "cmake" else real_which(name))
     monkeypatch.setattr(build_module.sys, "executable", str(tmp_path / "python"))  # no cmake wheel beside it
-    code, _, err = _run_cli(monkeypatch, capsys, "plugins", "build", "--build-dir", str(tmp_path))
+    code, _, err = cli("plugins", "build", "--build-dir", str(tmp_path))
     assert code == 2
     assert err.strip().splitlines() == [err.strip()] and err.startswith("error: cmake not found")

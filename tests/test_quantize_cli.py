@@ -2,27 +2,14 @@
 
 import hashlib
 import json
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle31_export.cli.main import main
 from eagle31_export.fixtures import make_target
 from eagle31_export.formats.quantize import quantize_checkpoint
 from eagle31_export.formats.target import inspect_target
-
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eagle31-export", *map(str, args)])
-    code = 0
-    try:
-        main()
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +27,13 @@ def write_tokenizer(folder):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
 
 
-def test_quantize_compressed_tensors_with_exclusions_and_prompts(monkeypatch, capsys, src, tmp_path):
+def test_quantize_compressed_tensors_with_exclusions_and_prompts(cli, src, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2, 3, 4, 5, 6]}\n\n{"prompt_ids": [200, 100, 50]}\n')
     out = tmp_path / "ct"
-    code, _, err = run_cli(monkeypatch, capsys, "quantize", src, "--out", out, "--format", "compressed-tensors",
-                           "--exclude", "*down_proj", "--exclude", "model.layers.1.self_attn.o_proj",
-                           "--calib-prompts", prompts)
+    code, _, err = cli("quantize", src, "--out", out, "--format", "compressed-tensors",
+                       "--exclude", "*down_proj", "--exclude", "model.layers.1.self_attn.o_proj",
+                       "--calib-prompts", prompts)
     assert code == 0, err
     assert "11 Linears quantized" in err
     report = inspect_target(out)
@@ -67,24 +54,23 @@ def test_quantize_compressed_tensors_with_exclusions_and_prompts(monkeypatch, ca
     assert manifest["model.safetensors"]["sha256"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
 
 
-def test_default_modelopt_then_convert_with_force(monkeypatch, capsys, src, tmp_path):
+def test_default_modelopt_then_convert_with_force(cli, src, tmp_path):
     out = tmp_path / "mo"
-    code, _, err = run_cli(monkeypatch, capsys, "quantize", src, "--out", out)
+    code, _, err = cli("quantize", src, "--out", out)
     assert code == 0, err
     assert (out / "hf_quant_config.json").is_file()
-    code, _, err = run_cli(monkeypatch, capsys, "quantize", src, "--out", out)
+    code, _, err = cli("quantize", src, "--out", out)
     assert code == 2 and "already exists" in err and "--force" in err and "Traceback" not in err
     # An NVFP4 input is converted (losslessly) rather than re-quantized.
     ct = tmp_path / "ct"
     ct.mkdir()
-    code, _, err = run_cli(monkeypatch, capsys, "quantize", out, "--out", ct, "--format", "compressed-tensors",
-                           "--force")
+    code, _, err = cli("quantize", out, "--out", ct, "--format", "compressed-tensors", "--force")
     assert code == 0, err
     assert "converted to compressed-tensors" in err
     assert inspect_target(ct)["quantization"]["format"] == "compressed-tensors"
 
 
-def test_text_prompts_use_the_model_tokenizer(monkeypatch, capsys, src, tmp_path):
+def test_text_prompts_use_the_model_tokenizer(cli, src, tmp_path):
     import shutil
 
     model = tmp_path / "with_tok"
@@ -92,7 +78,7 @@ def test_text_prompts_use_the_model_tokenizer(monkeypatch, capsys, src, tmp_path
     write_tokenizer(model)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"text": "the cat sat on a mat"}\n{"text": "a dog ran"}\n')
-    code, _, err = run_cli(monkeypatch, capsys, "quantize", model, "--out", tmp_path / "q", "--calib-prompts", prompts)
+    code, _, err = cli("quantize", model, "--out", tmp_path / "q", "--calib-prompts", prompts)
     assert code == 0, err
     assert (tmp_path / "q" / "tokenizer.json").is_file()  # side files travel with the weights
 
@@ -105,7 +91,7 @@ def test_text_prompts_use_the_model_tokenizer(monkeypatch, capsys, src, tmp_path
     (["--calib-prompts", "PROMPTS:{\"prompt_ids\": [1, 99999]}\n"], "outside the model's vocabulary"),
     (["--out", "SRC", "--force"], "is the input checkpoint itself"),
 ])
-def test_bad_arguments_fail_with_one_line_and_write_nothing(monkeypatch, capsys, src, tmp_path, args, fragment):
+def test_bad_arguments_fail_with_one_line_and_write_nothing(cli, src, tmp_path, args, fragment):
     args = list(args)
     for i, a in enumerate(args):
         if a == "SRC":
@@ -113,7 +99,7 @@ def test_bad_arguments_fail_with_one_line_and_write_nothing(monkeypatch, capsys,
         elif a.startswith("PROMPTS:"):
             (tmp_path / "p.jsonl").write_text(a[len("PROMPTS:"):])
             args[i] = tmp_path / "p.jsonl"
-    code, _, err = run_cli(monkeypatch, capsys, "quantize", src, "--out", tmp_path / "out", *args)
+    code, _, err = cli("quantize", src, "--out", tmp_path / "out", *args)
     assert code == 2
     assert fragment in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()

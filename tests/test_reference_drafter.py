@@ -113,27 +113,27 @@ def test_cached_incremental_steps_equal_one_chunk(eagle31_ckpt):
     torch.testing.assert_close(again, whole.logits[:, 4:], rtol=1e-10, atol=1e-10)
 
 
-def test_mla_drafter_runs_and_caches_consistently(llama_info):
-    cfg = drafter_config_for(llama_info, fc_norm=True, norm_output=True, mla=True)
+def _assert_two_cached_chunks_equal_one(cfg, split):
+    """A random drafter over 5 positions: one chunk, and two chunks split at `split` through one
+    cache, give the same logits. Returns the one-chunk logits."""
     drafter = build_drafter(random_drafter(cfg, with_embeddings=True), dtype=torch.float64)
     aux = torch.randn(1, 5, cfg.fc_in_features, dtype=torch.float64)
     ids = torch.randint(0, 256, (1, 5))
     whole = drafter(ids, torch.arange(5).unsqueeze(0), aux, KVCache(), True)
     cache = KVCache()
-    first = drafter(ids[:, :2], torch.arange(2).unsqueeze(0), aux[:, :2], cache, True).logits
-    rest = drafter(ids[:, 2:], torch.arange(2, 5).unsqueeze(0), aux[:, 2:], cache, True).logits
+    first = drafter(ids[:, :split], torch.arange(split).unsqueeze(0), aux[:, :split], cache, True).logits
+    rest = drafter(ids[:, split:], torch.arange(split, 5).unsqueeze(0), aux[:, split:], cache, True).logits
     torch.testing.assert_close(torch.cat([first, rest], 1), whole.logits, rtol=1e-10, atol=1e-10)
-    assert torch.isfinite(whole.logits).all()
+    return whole.logits
+
+
+def test_mla_drafter_runs_and_caches_consistently(llama_info):
+    cfg = drafter_config_for(llama_info, fc_norm=True, norm_output=True, mla=True)
+    logits = _assert_two_cached_chunks_equal_one(cfg, split=2)
+    assert torch.isfinite(logits).all()
 
 
 def test_two_layer_drafter_caches_consistently(llama_info):
     # Later layers must see the same past length as layer 0 (not layer 0's freshly appended keys).
     cfg = drafter_config_for(llama_info, fc_norm=True, norm_output=True, num_layers=2)
-    drafter = build_drafter(random_drafter(cfg, with_embeddings=True), dtype=torch.float64)
-    aux = torch.randn(1, 5, cfg.fc_in_features, dtype=torch.float64)
-    ids = torch.randint(0, 256, (1, 5))
-    whole = drafter(ids, torch.arange(5).unsqueeze(0), aux, KVCache(), True)
-    cache = KVCache()
-    first = drafter(ids[:, :3], torch.arange(3).unsqueeze(0), aux[:, :3], cache, True).logits
-    rest = drafter(ids[:, 3:], torch.arange(3, 5).unsqueeze(0), aux[:, 3:], cache, True).logits
-    torch.testing.assert_close(torch.cat([first, rest], 1), whole.logits, rtol=1e-10, atol=1e-10)
+    _assert_two_cached_chunks_equal_one(cfg, split=3)

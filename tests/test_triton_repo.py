@@ -2,30 +2,17 @@
 ModelConfig protobuf, model.yaml checked field by field; bad input refused in one line."""
 
 import json
-import sys
 
 import pytest
 import yaml
 
 pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed")
 
-from eagle31_export.cli.main import main  # noqa: E402
 from eagle31_export.export.sglang import export_sglang  # noqa: E402
 from eagle31_export.export.triton import load_repository_configs  # noqa: E402
 from eagle31_export.export.trtllm import export_trtllm  # noqa: E402
 from eagle31_export.export.vllm import export_vllm  # noqa: E402
 from eagle31_export.formats.drafter import read_drafter  # noqa: E402
-
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eagle31-export", *map(str, args)])
-    try:
-        main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +27,9 @@ def names(tensors):
     return [t.name for t in tensors]
 
 
-def test_trtllm_repository(monkeypatch, capsys, tmp_path, bundles, llama_target):
-    code, out, err = run_cli(monkeypatch, capsys, "export", "triton", "--bundle", bundles["trtllm"], "--out",
-                             tmp_path / "repo", "--flavor", "trtllm")
+def test_trtllm_repository(cli, tmp_path, bundles, llama_target):
+    code, out, err = cli("export", "triton", "--bundle", bundles["trtllm"], "--out",
+                         tmp_path / "repo", "--flavor", "trtllm")
     assert code == 0, err
     repo = tmp_path / "repo"
     configs = load_repository_configs(repo)
@@ -88,16 +75,16 @@ def test_cpu_repository_from_any_bundle(tmp_path, bundles, eagle31_dir, kind):
         assert (copied.tensors[name] == source.tensors[name]).all(), name
 
 
-def test_bad_input(monkeypatch, capsys, tmp_path, bundles):
+def test_bad_input(cli, tmp_path, bundles):
     base = ("export", "triton", "--out", tmp_path / "repo")
-    code, _, err = run_cli(monkeypatch, capsys, *base, "--bundle", bundles["vllm"], "--flavor", "trtllm")
+    code, _, err = cli(*base, "--bundle", bundles["vllm"], "--flavor", "trtllm")
     assert code == 2 and "needs a bundle from `export trtllm`" in err and len(err.strip().splitlines()) == 1
-    code, _, err = run_cli(monkeypatch, capsys, *base, "--bundle", tmp_path, "--flavor", "cpu")
+    code, _, err = cli(*base, "--bundle", tmp_path, "--flavor", "cpu")
     assert code == 2 and "no bundle.json" in err
-    code, _, err = run_cli(monkeypatch, capsys, *base, "--bundle", bundles["vllm"], "--flavor", "gpu")
+    code, _, err = cli(*base, "--bundle", bundles["vllm"], "--flavor", "gpu")
     assert code == 2 and "unknown --flavor 'gpu'" in err
     assert not (tmp_path / "repo").exists()
-    assert run_cli(monkeypatch, capsys, *base, "--bundle", bundles["vllm"], "--flavor", "cpu")[0] == 0
-    code, _, err = run_cli(monkeypatch, capsys, *base, "--bundle", bundles["vllm"], "--flavor", "cpu")
+    assert cli(*base, "--bundle", bundles["vllm"], "--flavor", "cpu")[0] == 0
+    code, _, err = cli(*base, "--bundle", bundles["vllm"], "--flavor", "cpu")
     assert code == 2 and "already exists" in err
-    assert run_cli(monkeypatch, capsys, *base, "--bundle", bundles["vllm"], "--flavor", "cpu", "--force")[0] == 0
+    assert cli(*base, "--bundle", bundles["vllm"], "--flavor", "cpu", "--force")[0] == 0

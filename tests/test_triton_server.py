@@ -116,15 +116,6 @@ class _Result:
 '''
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models on 2 cores shared with the server: OpenMP threads only contend (10x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return make_bigram_pair(tmp_path_factory.mktemp("pair"))
