@@ -157,6 +157,10 @@ VARIANTS = {
     "eagle3": dict(),
     "eagle31": dict(fc_norm=True, norm_output=True),
     "eagle31-mla": dict(fc_norm=True, norm_output=True, mla=True),
+    # Kimi K2's rope: yarn with mscale (cos/sin factor and softmax scale), short original context
+    "eagle31-mla-yarn": dict(fc_norm=True, norm_output=True, mla=True, rope_theta=50000.0, rope_scaling={
+        "type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 16}),
     "norm_before_fc": dict(norm_before_fc=True),
     "norm_before_residual-5taps": dict(norm_before_residual=True, aux_layer_ids=(0, 1, 3, 5, 7)),
 }
