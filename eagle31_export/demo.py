@@ -12,7 +12,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from eagle31_export.errors import MissingRuntimeError
-from eagle31_export.formats.safetensors_io import atomic_output_dir
+from eagle31_export.formats.safetensors_io import built_in_place
 from eagle31_export.inspection import inspect_path
 from eagle31_export.parity.acceptance import tau_by_depth
 from eagle31_export.parity.compare import loop_runner, run_parity
@@ -38,7 +38,8 @@ def run_demo(out: Path, force: bool = True) -> None:
     models = models_dir()
     drafter31 = models / DRAFTERS["EAGLE 3.1"]
     prompts = held_out_prompts(64)[:PROMPTS]
-    with atomic_output_dir(out, force=force) as tmp, Progress(console=console, transient=True) as progress:
+    # built in place: the serving bundles record absolute paths of their own files
+    with built_in_place(out, force=force) as tmp, Progress(console=console, transient=True) as progress:
         steps = progress.add_task("demo", total=6)
         reports = {name: inspect_path(models / name, None if name.startswith("target") else models / TARGET)
                    for name in (TARGET, TARGET_NVFP4, *DRAFTERS.values())}

@@ -88,3 +88,13 @@ def test_bad_input(cli, tmp_path, bundles):
     code, _, err = cli(*base, "--bundle", bundles["vllm"], "--flavor", "cpu")
     assert code == 2 and "already exists" in err
     assert cli(*base, "--bundle", bundles["vllm"], "--flavor", "cpu", "--force")[0] == 0
+
+
+def test_repository_files_name_their_final_paths(tmp_path, bundles):
+    """No temporary build folder leaks into what a user reads or a server loads."""
+    from eagle31_export.export.triton import export_triton
+
+    repo = export_triton(bundles["trtllm"], tmp_path / "repo", "cpu")
+    for path in repo.rglob("*"):
+        if path.suffix in (".json", ".md", ".pbtxt", ".yaml"):
+            assert ".tmp-" not in path.read_text(), path

@@ -24,7 +24,7 @@ import yaml
 
 from eagle31_export.errors import UserError
 from eagle31_export.export.bundle import read_bundle, read_bundle_drafter, write_drafter_files
-from eagle31_export.formats.safetensors_io import atomic_output_dir, read_json, write_json
+from eagle31_export.formats.safetensors_io import built_in_place, read_json, write_json
 
 FLAVORS = ("trtllm", "cpu")
 SPECULATE_MODEL = "eagle31_speculate"
@@ -100,8 +100,9 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, flavor: str
     record = read_bundle(bundle)
     if flavor == "trtllm" and record["kind"] != "trtllm":
         raise UserError(f"--flavor trtllm needs a bundle from `export trtllm`; {bundle} is a {record['kind']} bundle")
-    out = Path(out)
-    with atomic_output_dir(out, force=force) as tmp:
+    out = Path(out).resolve()
+    # built in place: the repository's README and ONNX metadata name their own final paths
+    with built_in_place(out, force=force) as tmp:
         if flavor == "trtllm":
             write_trtllm_repo(record, Path(bundle).resolve(), tmp)
         else:

@@ -185,3 +185,24 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def built_in_place(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """Like `atomic_output_dir`, but built at its final path: for outputs whose files record their
+    own absolute paths (serving bundles name their drafter folder). On any error the folder is
+    removed, so a failed run still leaves nothing half-written."""
+    from eagle31_export.errors import UserError
+
+    out = Path(out)
+    if out.exists():
+        if not force:
+            raise UserError(f"{out} already exists; choose another --out or pass --force to replace it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    try:
+        yield out
+        write_manifest(out)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
