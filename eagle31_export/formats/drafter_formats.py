@@ -120,6 +120,19 @@ def _flat_config(c: dict[str, Any], ids: tuple[int, ...] | None, **flags: bool) 
     )
 
 
+def _flat_keys(cfg: DrafterConfig, architecture: str, model_type: str) -> dict[str, Any]:
+    """The flat config keys SpecForge and ModelOpt share (both write the 3.1 flags explicitly)."""
+    out = {"architectures": [architecture], "model_type": model_type, **llama_keys(cfg),
+           "draft_vocab_size": cfg.draft_vocab_size, "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}
+    if cfg.target_hidden_size is not None:
+        out["target_hidden_size"] = cfg.target_hidden_size
+    if cfg.norm_before_residual:
+        out["norm_before_residual"] = True
+    if cfg.num_aux_hidden_states != 3:
+        out["num_aux_hidden_states"] = cfg.num_aux_hidden_states
+    return out
+
+
 def _ids(value: Any) -> tuple[int, ...] | None:
     return None if value is None else tuple(int(i) for i in value)
 
@@ -199,15 +212,7 @@ class SpecForgeFormat(EagleFormat):
         return cfg, unknown
 
     def write_config(self, cfg):
-        out = {"architectures": [self.architecture], "model_type": "llama", **llama_keys(cfg),
-               "draft_vocab_size": cfg.draft_vocab_size,
-               "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}
-        if cfg.target_hidden_size is not None:
-            out["target_hidden_size"] = cfg.target_hidden_size
-        if cfg.norm_before_residual:
-            out["norm_before_residual"] = True
-        if cfg.num_aux_hidden_states != 3:
-            out["num_aux_hidden_states"] = cfg.num_aux_hidden_states
+        out = _flat_keys(cfg, self.architecture, "llama")
         if cfg.aux_layer_ids is not None:
             out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)}
         if cfg.norm_before_fc:
@@ -301,15 +306,7 @@ class ModelOptFormat(DrafterFormat):
 
     def write_config(self, cfg):
         arch = "Eagle3DeepseekV2ForCausalLM" if cfg.attention == "mla" else "LlamaForCausalLMEagle3"
-        out = {"architectures": [arch], "model_type": "deepseek_v3" if cfg.attention == "mla" else "llama",
-               **llama_keys(cfg), "draft_vocab_size": cfg.draft_vocab_size,
-               "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}
-        if cfg.target_hidden_size is not None:
-            out["target_hidden_size"] = cfg.target_hidden_size
-        if cfg.norm_before_residual:
-            out["norm_before_residual"] = True
-        if cfg.num_aux_hidden_states != 3:
-            out["num_aux_hidden_states"] = cfg.num_aux_hidden_states
+        out = _flat_keys(cfg, arch, "deepseek_v3" if cfg.attention == "mla" else "llama")
         e: dict[str, Any] = {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
                              "use_last_layernorm": True, "next_layer_regular": True,
                              "norm_before_fc": cfg.norm_before_fc,
