@@ -31,19 +31,17 @@ def parity(
     as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
 ) -> None:
     """Run reference and runtime on the same prompts; compare tokens, drafts, acceptance."""
-    from eagle31_export.parity.compare import loop_runner, run_parity
     from eagle31_export.parity.report import markdown, write_report
-    from eagle31_export.parity.sides import load_prompts, resolve_sides
 
-    sides = resolve_sides(runtime, bundle, drafter, target, url)
-    prompt_ids = load_prompts(prompts, target or sides.reference_target_path)
-    console = Console(stderr=True)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"parity vs {sides.runtime_name}", total=len(prompt_ids))
-        reference = loop_runner(sides.reference.target, sides.reference.drafter)
-        report = run_parity(reference, sides.runtime, prompt_ids, depth,
-                            max_new_tokens, temperature, seed, sides.exact, sides.runtime_name,
-                            on_prompt=lambda _: progress.advance(task))
+    from eagle31_export.parity.sides import check_parity
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        def progress(total):
+            task = bar.add_task(f"parity vs {runtime}", total=total)
+            return lambda _: bar.advance(task)
+
+        report = check_parity(runtime, bundle, drafter, target, url, prompts, depth, max_new_tokens, temperature, seed,
+                              progress)
     if out is not None:
         write_report(report, out)
     if as_json:

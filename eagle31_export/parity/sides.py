@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +44,7 @@ def bundle_sources(bundle: Path) -> tuple[Path | None, Path | None]:
 
 def resolve_sides(runtime: str, bundle: Path | None, drafter: Path | None, target: Path | None,
                   url: str | None = None, workdir: Path | None = None) -> Sides:
+    """`workdir`: where an on-the-fly ONNX export goes (the caller owns and removes it)."""
     if runtime not in RUNTIMES:
         raise UserError(f"unknown --runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
     if bundle is not None and not bundle.is_dir():
@@ -72,7 +72,8 @@ def _onnxruntime_side(reference, bundle, drafter, target, workdir) -> Sides:
     if bundle is None:
         from eagle31_export.export.onnx_export import export_onnx
 
-        workdir = workdir or Path(tempfile.mkdtemp(prefix="eagle31-parity-"))
+        if workdir is None:
+            raise UserError("exporting on the fly needs a work folder; pass a BUNDLE from `export onnx` instead")
         bundle = export_onnx(drafter, workdir / "onnx", target)
     export = OnnxExport.open(bundle)
     ort_target, ort_drafter = load_backends(bundle)
@@ -124,3 +125,21 @@ def _tokenizer(target: Path):
     except (OSError, ValueError):
         raise UserError(f"{target}: text prompts need a tokenizer next to the target; use prompt_ids") from None
 
+
+
+def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target: Path | None, url: str | None,
+                 prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 progress=None):
+    """The whole parity check: resolve both sides, load prompts, compare. `progress(total)` returns
+    a per-prompt callback (the CLI's progress bar)."""
+    import tempfile
+
+    from eagle31_export.parity.compare import run_parity
+
+    with tempfile.TemporaryDirectory(prefix="eagle31-parity-") as workdir:  # an on-the-fly export lives here
+        sides = resolve_sides(runtime, bundle, drafter, target, url, Path(workdir))
+        prompts = load_prompts(prompts_file, target or sides.reference_target_path)
+        on_prompt = progress(len(prompts)) if progress else None
+        reference = loop_runner(sides.reference.target, sides.reference.drafter)
+        return run_parity(reference, sides.runtime, prompts, depth, max_new_tokens, temperature, seed, sides.exact,
+                          sides.runtime_name, on_prompt=on_prompt)
