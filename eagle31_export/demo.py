@@ -14,7 +14,7 @@ from rich.table import Table
 from eagle31_export.errors import MissingRuntimeError
 from eagle31_export.formats.safetensors_io import built_in_place
 from eagle31_export.inspection import inspect_path
-from eagle31_export.parity.acceptance import tau_by_depth
+from eagle31_export.parity.acceptance import tau_by_depth, teacher_forced_agreement, text_prompts
 from eagle31_export.parity.compare import loop_runner, run_parity
 from eagle31_export.parity.report import write_report
 from eagle31_export.parity.tiny_pair import (
@@ -22,8 +22,10 @@ from eagle31_export.parity.tiny_pair import (
     TARGET,
     TARGET_NVFP4,
     held_out_prompts,
+    held_out_texts,
     mixed_length_prompts,
     models_dir,
+    tokenizer,
 )
 from eagle31_export.reference.pair import load_pair
 
@@ -46,6 +48,7 @@ def run_demo(out: Path, force: bool = True) -> None:
         (tmp / "inspect.json").write_text(json.dumps(reports, indent=2) + "\n")
         progress.advance(steps)
         exports = _exports(drafter31, models / TARGET, tmp)
+        (tmp / "exports.json").write_text(json.dumps(exports, indent=2) + "\n")
         progress.advance(steps)
         pair = load_pair(drafter31, models / TARGET)
         from eagle31_export.runtime.onnxruntime import load_backends
@@ -55,16 +58,19 @@ def run_demo(out: Path, force: bool = True) -> None:
                             runtime_name="onnxruntime")
         write_report(parity, tmp / "parity")
         progress.advance(steps)
-        taus = {}
+        taus, agreement = {}, {}
+        windows = text_prompts(tokenizer(), held_out_texts(), 256 + max(DEPTHS))[:8]
         for target in (TARGET, TARGET_NVFP4):
             for label, folder in DRAFTERS.items():
-                taus[(target, label)] = tau_by_depth(load_pair(models / folder, models / target), prompts, DEPTHS,
-                                                     NEW_TOKENS)
+                pair = load_pair(models / folder, models / target)
+                taus[(target, label)] = tau_by_depth(pair, prompts, DEPTHS, NEW_TOKENS)
+                agreement[(target, label)] = teacher_forced_agreement(pair, windows, max(DEPTHS)).per_position
                 progress.advance(steps, 0.75)
-        (tmp / "tau.json").write_text(json.dumps([{"target": t, "drafter": d, "tau_by_depth": v}
+        (tmp / "tau.json").write_text(json.dumps([{"target": t, "drafter": d, "tau_by_depth": v,
+                                                   "teacher_forced_agreement": agreement[(t, d)]}
                                                   for (t, d), v in taus.items()], indent=2) + "\n")
         _plot_taus(taus, tmp / "tau_by_depth.png")
-    _render(console, reports, exports, parity, taus, out)
+    _render(console, reports, exports, parity, taus, agreement, out)
 
 
 def _exports(drafter: Path, target: Path, tmp: Path) -> dict[str, str]:
@@ -115,7 +121,7 @@ def _plot_taus(taus: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _render(console: Console, reports: dict, exports: dict, parity, taus: dict, out: Path) -> None:
+def _render(console: Console, reports: dict, exports: dict, parity, taus: dict, agreement: dict, out: Path) -> None:
     table = Table(title="inspect")
     for col in ("checkpoint", "kind / format", "EAGLE", "tapped (output of layer)", "quantization", "problems"):
         table.add_column(col)
@@ -142,4 +148,13 @@ def _render(console: Console, reports: dict, exports: dict, parity, taus: dict, 
     for (target, label), by_depth in taus.items():
         tau.add_row(target, label, *(f"{by_depth[d]:.2f}" for d in DEPTHS))
     console.print(tau)
+    agree = Table(title="teacher-forced agreement by draft position (held-out real text; free of the "
+                        "repetition a tiny target's own greedy text shows)")
+    agree.add_column("target")
+    agree.add_column("drafter")
+    for d in DEPTHS:
+        agree.add_column(str(d))
+    for (target, label), rates in agreement.items():
+        agree.add_row(target, label, *(f"{r:.2f}" for r in rates))
+    console.print(agree)
     console.print(f"artifacts, parity report and plots in {out}")

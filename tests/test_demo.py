@@ -1,0 +1,25 @@
+"""The README's main job: `eagle31-export demo` on the embedded tiny pair, end to end."""
+
+import importlib.util
+import json
+
+
+def test_demo_writes_every_artifact_and_a_passing_parity_report(cli, tmp_path):
+    out = tmp_path / "demo"
+    code, stdout, err = cli("demo", "--out", out)
+    assert code == 0, err
+    for folder in ("onnx", "trtllm", "vllm", "sglang", "triton-cpu", "triton-trtllm", "parity"):
+        assert (out / folder).is_dir(), folder
+    assert json.loads((out / "parity" / "report.json").read_text())["passed"] is True
+    for png in ("tau_by_depth.png", "parity/acceptance_by_position.png", "parity/tau_vs_context.png"):
+        assert (out / png).stat().st_size > 5000, png
+    rows = {(r["target"], r["drafter"]): r for r in json.loads((out / "tau.json").read_text())}
+    assert rows[("target", "EAGLE 3.1")]["tau_by_depth"]["3"] >= 2.2
+    assert len(rows[("target-nvfp4", "EAGLE-3")]["teacher_forced_agreement"]) == 6
+    exports = json.loads((out / "exports.json").read_text())
+    if importlib.util.find_spec("tensorrt") is None:  # CPU machines: said, not faked
+        assert exports["engines"].startswith("skipped: TensorRT is not installed")
+        assert not (out / "engines").exists()
+    assert (out / "manifest.json").is_file()
+    texts = [p.read_text() for p in out.rglob("*") if p.suffix in (".json", ".yaml", ".md", ".pbtxt")]
+    assert not any(".tmp-" in t for t in texts)  # no temporary folder names leak into artifacts
