@@ -76,6 +76,21 @@ def _open(path: Path):
         del f
 
 
+def check_complete(path: Path) -> None:
+    """A shard's size must match what its header declares: a truncated download fails here, by name."""
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err}); re-save or re-download it") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    expected, found = 8 + header_len + end, path.stat().st_size
+    if found < expected:
+        raise CheckpointError(f"{path}: truncated ({found} bytes, the header declares {expected}); "
+                              "re-download or re-save the checkpoint")
+
+
 def _tensor_locations(folder: Path) -> dict[str, str]:
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint folder")
@@ -88,6 +103,7 @@ def _tensor_locations(folder: Path) -> dict[str, str]:
         for shard in sorted(set(weight_map.values())):
             if not (folder / shard).is_file():
                 raise CheckpointError(f"{index}: names shard {shard}, which is missing from {folder}")
+            check_complete(folder / shard)
         return dict(weight_map)
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
     if not shards:
@@ -100,6 +116,7 @@ def _tensor_locations(folder: Path) -> dict[str, str]:
         raise CheckpointError(f"{folder}: no *.safetensors weights found")
     where: dict[str, str] = {}
     for shard in shards:
+        check_complete(folder / shard)
         with _open(folder / shard) as f:
             for name in f.keys():
                 where[name] = shard
