@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -62,21 +63,25 @@ class ReferenceTarget:
         """Append `input_ids` [1, T] to the cache; return logits [1, T, V] and taps [1, T, k*H]."""
         if self.cache is None:
             self.reset()
-        taps: dict[int, torch.Tensor] = {}
-        handles = [
-            self.layers[i].register_forward_hook(_tap_into(taps, i)) for i in self.aux_layer_ids
-        ]
         t = input_ids.shape[1]
         positions = torch.arange(self._length, self._length + t).unsqueeze(0)
-        try:
+        with self.tapping() as taps:
             out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self._length += t
+        return out.logits, taps()
+
+    @contextlib.contextmanager
+    def tapping(self):
+        """Hooks on the tapped layers for one model call; yields a function returning the taps
+        concatenated in `aux_layer_ids` order [.., k*H]."""
+        store: dict[int, torch.Tensor] = {}
+        handles = [self.layers[i].register_forward_hook(_tap_into(store, i)) for i in self.aux_layer_ids]
+        try:
+            yield lambda: torch.cat([store[i] for i in self.aux_layer_ids], dim=-1)
         finally:
             for h in handles:
                 h.remove()
-        self.cache = out.past_key_values
-        self._length += t
-        aux = torch.cat([taps[i] for i in self.aux_layer_ids], dim=-1)
-        return out.logits, aux
 
     def truncate(self, length: int) -> None:
         """Drop cache entries past `length` (rejected draft tokens)."""
@@ -101,11 +106,6 @@ def load_target(path: str | os.PathLike, aux_layer_ids: tuple[int, ...], dtype: 
 @torch.no_grad()
 def tapped_forward(target: ReferenceTarget, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A cache-free forward over a batch [B, T]: logits and the same taps as `forward`."""
-    taps: dict[int, torch.Tensor] = {}
-    handles = [target.layers[i].register_forward_hook(_tap_into(taps, i)) for i in target.aux_layer_ids]
-    try:
+    with target.tapping() as taps:
         logits = target.model(input_ids=input_ids, use_cache=False).logits
-    finally:
-        for h in handles:
-            h.remove()
-    return logits, torch.cat([taps[i] for i in target.aux_layer_ids], -1)
+    return logits, taps()
