@@ -140,21 +140,18 @@ def _render(console: Console, reports: dict, exports: dict, parity, taus: dict, 
     verdict = "[green]PASS[/]" if parity.passed else "[red]FAIL[/]"
     console.print(f"parity, ONNX Runtime vs PyTorch reference (EAGLE 3.1, depth 3, {len(parity.rows)} prompts): "
                   f"{verdict}, tau {parity.tau('reference'):.3f} vs {parity.tau('runtime'):.3f}")
-    tau = Table(title="acceptance length tau by draft depth (held-out files, greedy)")
-    tau.add_column("target")
-    tau.add_column("drafter")
-    for d in DEPTHS:
-        tau.add_column(str(d))
-    for (target, label), by_depth in taus.items():
-        tau.add_row(target, label, *(f"{by_depth[d]:.2f}" for d in DEPTHS))
-    console.print(tau)
-    agree = Table(title="teacher-forced agreement by draft position (held-out real text; free of the "
-                        "repetition a tiny target's own greedy text shows)")
-    agree.add_column("target")
-    agree.add_column("drafter")
-    for d in DEPTHS:
-        agree.add_column(str(d))
-    for (target, label), rates in agreement.items():
-        agree.add_row(target, label, *(f"{r:.2f}" for r in rates))
-    console.print(agree)
+    console.print(_by_depth_table("acceptance length tau by draft depth (held-out files, greedy)",
+                                  {key: [by_depth[d] for d in DEPTHS] for key, by_depth in taus.items()}))
+    console.print(_by_depth_table("teacher-forced agreement by draft position (held-out real text; free of the "
+                                  "repetition a tiny target's own greedy text shows)", agreement))
     console.print(f"artifacts, parity report and plots in {out}")
+
+
+def _by_depth_table(title: str, rows: dict[tuple[str, str], list[float]]) -> Table:
+    """One row per (target, drafter), one column per draft depth."""
+    table = Table(title=title)
+    for col in ("target", "drafter", *map(str, DEPTHS)):
+        table.add_column(col)
+    for (target, label), values in rows.items():
+        table.add_row(target, label, *(f"{v:.2f}" for v in values))
+    return table
