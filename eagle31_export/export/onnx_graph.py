@@ -154,11 +154,6 @@ class GraphBuilder:
             self._consts[key] = name
         return self._consts[key]
 
-    def const_like(self, value: float, elem: int) -> str:
-        """A float scalar in the element type of the graph's activations."""
-        t = torch.tensor(value, dtype=torch.float32).to(_ONNX_TO_TORCH[elem])
-        return self.tensor(f"const/{value!r}_{TensorProto.DataType.Name(elem).lower()}", t)
-
     def tensor(self, name: str, t: torch.Tensor) -> str:
         """A weight: an initializer named `name`, stored externally when large."""
         if name not in self.initializers:
@@ -193,13 +188,6 @@ class GraphBuilder:
         flat = arr.reshape(-1)
         text = "_".join(str(x) for x in flat[:6]) + ("_etc" if flat.size > 6 else "")
         return f"{arr.dtype.name}_{text}".replace("-", "m").replace(".", "p") or "empty"
-
-
-_ONNX_TO_TORCH = {v[0]: k for k, v in _TORCH_TO_ONNX.items()}
-
-
-def torch_dtype_of(elem: int) -> torch.dtype:
-    return _ONNX_TO_TORCH[elem]
 
 
 def io_description(model: onnx.ModelProto) -> dict:

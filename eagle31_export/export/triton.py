@@ -24,7 +24,7 @@ import yaml
 
 from eagle31_export.errors import UserError
 from eagle31_export.export.bundle import read_bundle, read_bundle_drafter, write_drafter_files
-from eagle31_export.formats.safetensors_io import built_in_place, read_json, write_json
+from eagle31_export.formats.safetensors_io import built_in_place, write_json
 
 FLAVORS = ("trtllm", "cpu")
 SPECULATE_MODEL = "eagle31_speculate"
@@ -224,14 +224,3 @@ def load_repository_configs(repo: str | os.PathLike) -> dict[str, Any]:
     for path in sorted(Path(repo).glob("*/config.pbtxt")):
         configs[path.parent.name] = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
     return configs
-
-
-def repository_kind(repo: str | os.PathLike) -> str:
-    """'cpu' or 'trtllm' for a repository written here; raises for anything else."""
-    repo = Path(repo)
-    if (repo / SPECULATE_MODEL / "1" / "pair" / "pair.json").is_file():
-        read_json(repo / SPECULATE_MODEL / "1" / "pair" / "pair.json")
-        return "cpu"
-    if (repo / TRTLLM_MODEL / "1" / "model.yaml").is_file():
-        return "trtllm"
-    raise UserError(f"{repo}: not a model repository written by `eagle31-export export triton`")

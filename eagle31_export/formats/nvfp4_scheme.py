@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
@@ -76,9 +76,6 @@ class QuantScheme:
         if self.format == "modelopt":
             return f"{attn_module}.{which}_proj.{which}_scale"
         return f"{attn_module}.{which}_scale"
-
-    def with_format(self, fmt: Format) -> "QuantScheme":
-        return replace(self, format=fmt)
 
 
 # ---------------------------------------------------------------------------------------------
