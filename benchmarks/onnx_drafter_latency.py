@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,7 +55,8 @@ def main() -> None:
     args = parse_args()
     from eagle31_export.config import DrafterConfig
     from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
-    from eagle31_export.fixtures import random_drafter
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test factories
+    from factories import random_drafter
     from eagle31_export.formats.drafter import write_drafter
     from eagle31_export.reference.drafter import build_drafter
     from eagle31_export.reference.speculate import ReferenceDrafterBackend

@@ -11,7 +11,7 @@ import torch
 # threads only contend with each other (10-20x slower under load).
 torch.set_num_threads(1)
 
-from eagle31_export.fixtures import drafter_config_for, make_target, random_drafter
+from factories import drafter_config_for, make_target, random_drafter
 from eagle31_export.formats.drafter import write_drafter
 from eagle31_export.formats.target import read_target_info
 

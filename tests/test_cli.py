@@ -8,7 +8,7 @@ import pytest
 
 from eagle31_export.formats.drafter import write_drafter
 from eagle31_export.reference.pair import load_pair
-from eagle31_export.reference.speculate import greedy_decode
+from factories import greedy_decode
 
 
 def test_inspect_json_contract(cli, eagle31_dir, llama_target):

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle31_export.errors import CheckpointError
-from eagle31_export.fixtures import drafter_config_for, random_drafter
+from factories import drafter_config_for, random_drafter
 from eagle31_export.formats.drafter import read_drafter, write_drafter
 from eagle31_export.formats.drafter_formats import FORMATS
 

@@ -10,7 +10,7 @@ import yaml
 from safetensors import safe_open
 
 from eagle31_export.export.trtllm_drafter import read_trtllm_drafter
-from eagle31_export.fixtures import drafter_config_for, random_drafter
+from factories import drafter_config_for, random_drafter
 from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter
 from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.reference.pair import load_pair

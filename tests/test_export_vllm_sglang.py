@@ -10,7 +10,7 @@ from safetensors import safe_open
 from eagle31_export.export.sglang import export_sglang
 from eagle31_export.export.trtllm import export_trtllm
 from eagle31_export.export.vllm import export_vllm
-from eagle31_export.fixtures import drafter_config_for, random_drafter
+from factories import drafter_config_for, random_drafter
 from eagle31_export.formats.drafter import read_drafter, write_drafter
 from eagle31_export.reference.target import ReferenceTarget
 

@@ -8,7 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle31_export.errors import UserError
-from eagle31_export.fixtures import make_target
+from factories import make_target
 from eagle31_export.formats.nvfp4 import reciprocal_f32
 from eagle31_export.formats.nvfp4_convert import convert_checkpoint
 from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint

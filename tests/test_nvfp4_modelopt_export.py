@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from eagle31_export.fixtures import make_target
+from factories import make_target
 from eagle31_export.formats.nvfp4_calib import default_calibration_prompts
 from eagle31_export.formats.quantize import quantize_checkpoint
 from eagle31_export.formats.target import inspect_target, load_causal_lm

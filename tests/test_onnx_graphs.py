@@ -16,7 +16,7 @@ from onnx.reference import ReferenceEvaluator
 from eagle31_export.export import onnx_plugins as P
 from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
 from eagle31_export.export.onnx_graph import OPSET, ExternalWeights, GraphBuilder
-from eagle31_export.fixtures import drafter_config_for, random_drafter
+from factories import drafter_config_for, random_drafter
 from eagle31_export.formats.drafter import read_drafter, write_drafter
 from eagle31_export.formats.target import load_causal_lm
 from eagle31_export.reference.attention import KVCache

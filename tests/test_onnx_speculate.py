@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
-from eagle31_export.fixtures import drafter_config_for, make_target, random_drafter
+from factories import drafter_config_for, make_target, random_drafter
 from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter
 from eagle31_export.formats.target import load_causal_lm, read_target_info
 from eagle31_export.reference.pair import load_pair

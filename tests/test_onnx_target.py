@@ -13,7 +13,7 @@ from onnx.reference import ReferenceEvaluator
 
 from eagle31_export.export import onnx_nvfp4 as Q
 from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
-from eagle31_export.fixtures import drafter_config_for, make_target, random_drafter
+from factories import drafter_config_for, make_target, random_drafter
 from eagle31_export.formats.drafter import write_drafter
 from eagle31_export.formats.target import load_causal_lm, read_target_info
 from eagle31_export.reference.target import ReferenceTarget

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle31_export.fixtures import make_target
+from factories import make_target
 from eagle31_export.formats.quantize import quantize_checkpoint
 from eagle31_export.formats.target import inspect_target
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eagle31_export.fixtures import drafter_config_for, random_drafter
+from factories import drafter_config_for, random_drafter
 from eagle31_export.reference.attention import KVCache
 from eagle31_export.reference.drafter import build_drafter
 

@@ -5,14 +5,13 @@ import random
 import pytest
 import torch
 
-from eagle31_export.fixtures import make_target
+from factories import greedy_decode, make_target
 from eagle31_export.formats.target import load_causal_lm
 from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.reference.speculate import (
     ReferenceDrafterBackend,
     SpecResult,
     _Sampler,
-    greedy_decode,
     speculate,
 )
 from eagle31_export.reference.target import ReferenceTarget

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from eagle31_export.fixtures import drafter_config_for, random_drafter
+from factories import drafter_config_for, random_drafter
 from eagle31_export.formats.drafter import read_drafter, write_drafter
 from eagle31_export.formats.drafter_formats import FORMATS
 from eagle31_export.reference.target import ReferenceTarget

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle31_export.errors import CheckpointError
-from eagle31_export.fixtures import make_target
+from factories import make_target
 from eagle31_export.formats.nvfp4_convert import convert_checkpoint
 from eagle31_export.formats.quantize import quantize_checkpoint
 from eagle31_export.formats.target import inspect_target, load_causal_lm

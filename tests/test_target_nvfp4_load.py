@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle31_export.fixtures import make_target
+from factories import make_target
 from eagle31_export.formats.nvfp4 import fake_quant_activation, reciprocal_f32
 from eagle31_export.formats.nvfp4_model import ActQuantLinear
 from eagle31_export.formats.quantize import quantize_checkpoint

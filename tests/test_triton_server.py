@@ -23,11 +23,12 @@ pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc,http] is not 
 
 from eagle31_export.export.triton import export_triton  # noqa: E402
 from eagle31_export.export.trtllm import export_trtllm  # noqa: E402
-from eagle31_export.fixtures import drafter_config_for, make_target, random_drafter  # noqa: E402
+from factories import drafter_config_for, make_target, random_drafter  # noqa: E402
 from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter  # noqa: E402
 from eagle31_export.formats.target import load_causal_lm, read_target_info  # noqa: E402
 from eagle31_export.reference.pair import load_pair  # noqa: E402
-from eagle31_export.reference.speculate import greedy_decode, speculate  # noqa: E402
+from eagle31_export.reference.speculate import speculate  # noqa: E402
+from factories import greedy_decode  # noqa: E402
 from eagle31_export.runtime.triton_client import generate, remote_speculate, stream  # noqa: E402
 from eagle31_export.runtime.triton_server import TritonServer, free_ports  # noqa: E402
 

@@ -197,15 +197,3 @@ def speculate(target: TargetBackend, drafter: DrafterBackend, prompt_ids: list[i
         result.accepted_per_step.append(accepted)
     result.tokens = result.tokens[:max_new_tokens]
     return result
-
-
-@torch.no_grad()
-def greedy_decode(target: TargetBackend, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The target's own greedy decoding, one token per forward: what speculation must reproduce."""
-    target.reset()
-    logits, _ = target.forward(torch.tensor([prompt_ids]))
-    out = [int(torch.argmax(logits[0, -1]))]
-    while len(out) < max_new_tokens:
-        logits, _ = target.forward(torch.tensor([[out[-1]]]))
-        out.append(int(torch.argmax(logits[0, -1])))
-    return out

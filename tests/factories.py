@@ -1,4 +1,4 @@
-"""Tiny random-weight targets and matching drafters, made by code (tests, benchmarks, examples).
+"""Tiny random-weight targets and matching drafters, made by code (tests and benchmarks).
 
 No downloads: targets are transformers models built from small configs; drafters are
 canonical checkpoints that can be written in any supported format.
@@ -81,3 +81,15 @@ def random_drafter(cfg: DrafterConfig, seed: int = 0, with_embeddings: bool = Fa
     tensors["d2t"] = chosen - torch.arange(cfg.draft_vocab_size)
     tensors["t2d"] = t2d_from_d2t(tensors["d2t"], cfg.vocab_size)
     return DrafterCheckpoint(cfg, tensors)
+
+
+@torch.no_grad()
+def greedy_decode(target, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The target's own greedy decoding, one token per forward: what speculation must reproduce."""
+    target.reset()
+    logits, _ = target.forward(torch.tensor([prompt_ids]))
+    out = [int(torch.argmax(logits[0, -1]))]
+    while len(out) < max_new_tokens:
+        logits, _ = target.forward(torch.tensor([[out[-1]]]))
+        out.append(int(torch.argmax(logits[0, -1])))
+    return out
