@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/eagle31-export demo --out out/demo
+	$(VENV)/bin/eagle31-export demo --pair examples/tiny/models --out out/demo
 
 test: setup
 	$(PY) -m pytest -q tests

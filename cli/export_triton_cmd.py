@@ -16,11 +16,12 @@ def triton(
     out: Path = typer.Option(..., "--out", help="Model repository folder to write."),
     flavor: str = typer.Option(..., "--flavor", help="trtllm (TensorRT-LLM LLM API) or cpu (speculation loop)."),
     runtime: str = typer.Option("onnxruntime", "--runtime",
-                                help="cpu flavour: onnxruntime (exported graphs) or reference (PyTorch)."),
+                                help="cpu flavour: the runtime the repository runs (onnxruntime: the exported "
+                                     "graphs; reference: PyTorch)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
 ) -> None:
     """Triton repository: TensorRT-LLM's LLM-API model (trtllm) or python-backend speculation (cpu)."""
-    from eagle31_export.export.triton import export_triton
+    from eagle31_export.runtime.triton_repo import export_triton
 
     path = export_triton(bundle, out, flavor, force, runtime)
     hint = f"eagle31-export serve {path}" if flavor == "cpu" else f"see {path / 'README.md'}"

@@ -29,7 +29,7 @@ def quantize(
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
 ) -> None:
     """Quantize a checkpoint to NVFP4 (ModelOpt numerics, bit-exact), or convert NVFP4 between formats."""
-    from eagle31_export.formats.nvfp4_calib import read_calibration_prompts
+    from eagle31_export.formats.prompts import read_prompts
     from eagle31_export.formats.quantize import quantize_checkpoint
     from eagle31_export.formats.target import read_target_info
 
@@ -37,7 +37,7 @@ def quantize(
         raise UserError(f"--format {fmt!r}: use modelopt or compressed-tensors")
     prompts = None
     if calib_prompts is not None:
-        prompts = read_calibration_prompts(calib_prompts, model_dir, read_target_info(model_dir).vocab_size)
+        prompts = read_prompts(calib_prompts, model_dir, read_target_info(model_dir).vocab_size)
     result = quantize_checkpoint(model_dir, out, fmt, exclude=tuple(exclude or ()), prompts=prompts, force=force,
                                  progress=True)
     console = Console(stderr=True)

@@ -26,16 +26,6 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
-def encode_prompt(target: Path, prompt: str) -> list[int]:
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
-    except (OSError, ValueError):
-        raise UserError(f"{target}: no tokenizer next to the target; pass --prompt-ids instead of --prompt") from None
-    return tok(prompt, add_special_tokens=True)["input_ids"]
-
-
 def speculate(
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="Drafter checkpoint folder (reference runtime)."),
     target: Optional[Path] = typer.Option(None, "--target", help="Target checkpoint folder (reference runtime; with "
@@ -49,7 +39,8 @@ def speculate(
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
     act_quant: bool = typer.Option(False, "--act-quant/--no-act-quant", help="NVFP4 targets: emulate W4A4."),
     as_json: bool = typer.Option(False, "--json"),
-    runtime: str = typer.Option("reference", "--runtime", help="reference (PyTorch) or onnxruntime."),
+    runtime: str = typer.Option("reference", "--runtime", help="reference (PyTorch), onnxruntime or triton (--url)."),
+    url: Optional[str] = typer.Option(None, "--url", help="Triton server HTTP HOST:PORT for --runtime triton."),
     onnx_dir: Optional[Path] = typer.Option(None, "--onnx", help="Folder written by `export onnx` (--runtime onnxruntime)."),
     chain: bool = typer.Option(False, "--chain/--no-chain", help="onnxruntime: draft with the exported chain graph "
                                                                  "(one call per round; temperature 0 only)."),
@@ -57,16 +48,26 @@ def speculate(
                                                            "or through the plugin kernels (plugins, built on demand)."),
 ) -> None:
     """Chain speculative decoding (PyTorch reference or exported ONNX graphs); prints tokens and acceptance statistics."""
-    from eagle31_export.reference.speculate import speculate as run
+    from eagle31_export.formats.tokenizer import load_tokenizer
+    from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator
 
     if (prompt is None) == (prompt_ids is None):
         raise UserError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if prompt is not None and target is None:
         raise UserError("--prompt needs --target (for its tokenizer); or pass --prompt-ids")
-    ids = parse_prompt_ids(prompt_ids) if prompt_ids is not None else encode_prompt(target, prompt)
-    target_backend, drafter_backend = _backends(runtime, drafter, target, onnx_dir, chain, temperature,
-                                                parse_dtype(dtype), act_quant, kernels)
-    result = run(target_backend, drafter_backend, ids, max_new_tokens, depth, temperature, seed)
+    if chain and temperature != 0:
+        raise UserError("--chain drafts greedily; use --temperature 0 or drop --chain")
+    if prompt is not None:
+        tokenizer = load_tokenizer(target, "pass --prompt-ids instead of --prompt")
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    else:
+        ids = parse_prompt_ids(prompt_ids)
+    options = LoadOptions(dtype=parse_dtype(dtype), act_quant=act_quant, kernels=kernels, chain=chain)
+    speculator = load_speculator(runtime, PairSource.of(drafter, target, onnx_dir, url), options)
+    chain_depth = getattr(getattr(speculator, "drafter", None), "chain_depth", None)
+    if chain and chain_depth is not None and depth > chain_depth:
+        raise UserError(f"the chain graph drafts {chain_depth} tokens per round; run with --depth <= {chain_depth}")
+    result = speculator.run(ids, max_new_tokens, depth, temperature, seed)
     if as_json:
         print_json(result.to_json())
         return
@@ -75,43 +76,3 @@ def speculate(
     console.print(f"rounds: {len(result.accepted_per_step)}  accepted per round: {result.accepted_per_step}")
     console.print(f"acceptance length (tau): {result.acceptance_length:.3f}")
     console.print("per-position acceptance: " + ", ".join(f"{r:.2f}" for r in result.per_position_acceptance))
-
-
-def _kernel_provider(name: str):
-    if name == "torch":
-        return None  # the drafter's default: reference/ops.py
-    if name == "plugins":
-        from eagle31_export.kernels.torch_ops import PluginKernels
-
-        return PluginKernels()
-    raise UserError(f"unknown --kernels {name!r}; choose torch or plugins")
-
-
-def _backends(runtime, drafter, target, onnx_dir, chain, temperature, dtype, act_quant, kernels="torch"):
-    """(target, drafter) backends for the one speculation loop."""
-    if runtime == "reference":
-        if drafter is None or target is None:
-            raise UserError("--runtime reference needs --drafter and --target")
-        if onnx_dir is not None or chain:
-            raise UserError("--onnx / --chain apply to --runtime onnxruntime")
-        from eagle31_export.reference.pair import load_pair
-
-        pair = load_pair(drafter, target, dtype=dtype, act_quant=act_quant, kernels=_kernel_provider(kernels))
-        return pair.target, pair.drafter
-    if runtime != "onnxruntime":
-        raise UserError(f"unknown --runtime {runtime!r}; choose reference or onnxruntime")
-    if onnx_dir is None:
-        raise UserError("--runtime onnxruntime needs --onnx DIR (the output of `eagle31-export export onnx`)")
-    if chain and temperature != 0:
-        raise UserError("--chain drafts greedily; use --temperature 0 or drop --chain")
-    from eagle31_export.runtime.onnxruntime import load_backends
-
-    target_backend, drafter_backend = load_backends(onnx_dir, chain=chain)
-    if target_backend is None:  # drafter graphs only: verify with the reference target
-        if target is None:
-            raise UserError(f"{onnx_dir} has no target graph; pass --target for the reference target")
-        from eagle31_export.reference.target import load_target
-
-        target_backend = load_target(target, tuple(drafter_backend.export.meta["drafter"]["aux_layer_ids"]),
-                                     dtype=dtype, act_quant=act_quant)
-    return target_backend, drafter_backend

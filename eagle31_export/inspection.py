@@ -9,6 +9,7 @@ from typing import Any
 from eagle31_export.config import output_to_before_layer
 from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.drafter import read_drafter
+from eagle31_export.formats.pair import pair_problems
 from eagle31_export.formats.safetensors_io import read_json
 from eagle31_export.formats.target import inspect_target, read_target_info
 
@@ -31,15 +32,13 @@ def inspect_path(path: str | os.PathLike, target: str | os.PathLike | None = Non
 
 
 def inspect_drafter(path: Path, target: str | os.PathLike | None) -> dict[str, Any]:
-    from eagle31_export.reference.pair import check_pair
-
     ckpt = read_drafter(path)
     cfg = ckpt.config
     problems: list[str] = []
     ids = cfg.aux_layer_ids
     if target is not None:
         info = read_target_info(target)
-        problems = check_pair(ckpt, info)
+        problems = pair_problems(ckpt, info)
         if not any("tapped" in p for p in problems):
             ids = cfg.resolved_aux_layer_ids(info.num_hidden_layers)
     config = cfg.to_dict()

@@ -21,7 +21,7 @@ from factories import drafter_config_for, make_target, random_drafter
 from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter
 from eagle31_export.formats.target import load_causal_lm, read_target_info
 from eagle31_export.reference.pair import load_pair
-from eagle31_export.reference.speculate import speculate
+from eagle31_export.reference.speculate import LoopObserver, speculate
 from eagle31_export.runtime.onnxruntime import load_backends
 
 PROMPTS = ([1, 5, 9, 13], [200, 3, 77, 41, 8], [17, 17, 4])
@@ -134,24 +134,46 @@ def test_onnxruntime_loop_matches_the_reference(pairs, kind, eagle31):
     assert sum(accepted) > 0 and 0 in accepted and max(accepted) >= 2  # the accept paths did run
 
 
+class FirstLogits(LoopObserver):
+    wants_draft_logits = True
+
+    def __init__(self):
+        self.per_round = []
+
+    def on_round(self, round):
+        self.per_round.append(round.first_draft_logits)
+
+
 @pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle31"])
 def test_chain_graph_gives_the_same_rounds(pairs, eagle31):
+    """The loop drafts each round with ONE chain-graph call: same rounds as the reference, and the
+    same step-1 draft logits every round."""
     drafter, target, onnx_dir = pairs["fp32", eagle31]
     pair = load_pair(drafter, target, dtype=torch.float32)
     ort_target, chain = load_backends(onnx_dir, chain=True)
+    assert chain.chain_depth == 4
     for prompt, depth in ((PROMPTS[0], 4), (PROMPTS[1], 2)):
-        assert_same_run(pair.target, pair.drafter, ort_target, chain, prompt, depth, chain=True)
+        calls = Recorder(chain)  # single-step calls would be recorded here; the chain makes none
+        runs = []
+        for t, d in ((pair.target, pair.drafter), (ort_target, calls)):
+            seen = FirstLogits()
+            runs.append((speculate(t, d, prompt, 20, depth, observer=seen), seen.per_round))
+        (want, want_logits), (got, got_logits) = runs
+        assert (got.tokens, got.drafts, got.accepted_per_step) == (want.tokens, want.drafts, want.accepted_per_step)
+        assert calls.calls == []
+        for g, w in zip(got_logits, want_logits, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
 
 
-def test_chain_graph_refuses_sampling_and_deeper_rounds(pairs):
-    from eagle31_export.errors import UserError
-
-    _, _, onnx_dir = pairs["fp32", True]
+def test_chain_backend_falls_back_to_single_steps_for_sampling_and_deeper_rounds(pairs):
+    """Sampling and depths beyond the chain graph run on the single-step graphs, and still match."""
+    drafter, target, onnx_dir = pairs["fp32", True]
+    pair = load_pair(drafter, target, dtype=torch.float32)
     ort_target, chain = load_backends(onnx_dir, chain=True)
-    with pytest.raises(UserError, match="--depth <= 4"):
-        speculate(ort_target, chain, PROMPTS[0], 24, 5)
-    with pytest.raises(UserError, match="greedily"):
-        speculate(ort_target, chain, PROMPTS[0], 24, 4, temperature=1.0, seed=3)
+    for depth, temperature in ((5, 0.0), (4, 1.0)):
+        want = speculate(pair.target, pair.drafter, PROMPTS[0], 24, depth, temperature, seed=3)
+        got = speculate(ort_target, chain, PROMPTS[0], 24, depth, temperature, seed=3)
+        assert (got.tokens, got.drafts, got.accepted_per_step) == (want.tokens, want.drafts, want.accepted_per_step)
 
 
 def test_sampling_with_onnxruntime_matches_the_reference(pairs):

@@ -9,7 +9,7 @@ import yaml
 pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed")
 
 from eagle31_export.export.sglang import export_sglang  # noqa: E402
-from eagle31_export.export.triton import load_repository_configs  # noqa: E402
+from eagle31_export.runtime.triton_repo import load_repository_configs  # noqa: E402
 from eagle31_export.export.trtllm import export_trtllm  # noqa: E402
 from eagle31_export.export.vllm import export_vllm  # noqa: E402
 from eagle31_export.formats.drafter import read_drafter  # noqa: E402
@@ -51,7 +51,7 @@ def test_trtllm_repository(cli, tmp_path, bundles, llama_target):
 
 @pytest.mark.parametrize("kind", ["trtllm", "vllm", "sglang"])
 def test_cpu_repository_from_any_bundle(tmp_path, bundles, eagle31_dir, kind):
-    from eagle31_export.export.triton import export_triton
+    from eagle31_export.runtime.triton_repo import export_triton
 
     repo = export_triton(bundles[kind], tmp_path / "repo", "cpu")
     configs = load_repository_configs(repo)
@@ -92,7 +92,7 @@ def test_bad_input(cli, tmp_path, bundles):
 
 def test_repository_files_name_their_final_paths(tmp_path, bundles):
     """No temporary build folder leaks into what a user reads or a server loads."""
-    from eagle31_export.export.triton import export_triton
+    from eagle31_export.runtime.triton_repo import export_triton
 
     repo = export_triton(bundles["trtllm"], tmp_path / "repo", "cpu")
     for path in repo.rglob("*"):

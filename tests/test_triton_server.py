@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("pytriton", reason="nvidia-pytriton (bundles tritonserver) is not installed")
 pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc,http] is not installed")
 
-from eagle31_export.export.triton import export_triton  # noqa: E402
+from eagle31_export.runtime.triton_repo import export_triton  # noqa: E402
 from eagle31_export.export.trtllm import export_trtllm  # noqa: E402
 from factories import drafter_config_for, make_target, random_drafter  # noqa: E402
 from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter  # noqa: E402
@@ -103,8 +103,11 @@ class _Result:
         self.parts = [text[:10], text[10:]] if streaming else [text]
 
     def _output(self, i):
-        spec = NS(acceptance_rate=0.5, total_accepted_draft_tokens=6, total_draft_tokens=12)
-        out = NS(text="".join(self.parts[: i + 1]), text_diff=self.parts[i], token_ids=[1, 2], token_ids_diff=[i],
+        # 11 tokens: the prefill token, then 4 rounds of accepted drafts + a bonus token (6 accepted);
+        # 10 drafted: rounds need not all draft max_draft_len (3) tokens.
+        spec = NS(acceptance_rate=0.6, total_accepted_draft_tokens=6, total_draft_tokens=10)
+        out = NS(text="".join(self.parts[: i + 1]), text_diff=self.parts[i], token_ids=list(range(11)),
+                 token_ids_diff=[i],
                  finish_reason="length" if i == len(self.parts) - 1 else None,
                  request_perf_metrics=NS(speculative_decoding=spec))
         return NS(outputs=[out], finished=i == len(self.parts) - 1)
@@ -171,11 +174,11 @@ def test_the_pair_accepts_some_drafts_and_not_others(reference):
 def test_streaming_service_in_process_reports_every_round(pair):
     """The observer sees the loop's own commits: chunk sizes follow accepted_per_step exactly."""
     drafter, target = pair
+    from eagle31_export.runtime.registry import LoopSpeculator
     from eagle31_export.runtime.triton_service import SpeculationService as Service
 
-
     ref = load_pair(drafter, target)
-    service = Service(ref.target, ref.drafter, depth=3)
+    service = Service(LoopSpeculator("reference", ref.target, ref.drafter), depth=3)
     chunks = []
     result = service.generate(PROMPTS[0], 20, on_tokens=chunks.append)
     assert sum(chunks, []) + result.tokens[sum(map(len, chunks)):] == result.tokens
@@ -244,8 +247,9 @@ def test_trtllm_flavour_loads_and_passes_model_yaml_to_the_llm_api(server, repos
     assert echoed["llm"] == {k: v for k, v in model_yaml.items() if k != "triton_config"}
     assert echoed["llm"]["backend"] == "pytorch" and echoed["llm"]["speculative_config"]["decoding_type"] == "Eagle3"
     assert echoed["sampling"] == {"max_tokens": 8}
-    assert last["total_accepted_draft_tokens"] == 6 and last["total_draft_tokens"] == 12
-    assert last["acceptance_length"] == pytest.approx(1 + 6 / (12 / 3))
+    assert last["total_accepted_draft_tokens"] == 6 and last["total_draft_tokens"] == 10
+    # tau from what the runtime reports: 4 rounds made the 10 tokens after the first, not 10 / max_draft_len
+    assert last["acceptance_length"] == pytest.approx(10 / 4)
 
 
 def _stream_trtllm(grpc_url, prompt):

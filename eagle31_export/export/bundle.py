@@ -22,6 +22,7 @@ from eagle31_export.config import DrafterConfig, TargetInfo, output_to_before_la
 from eagle31_export.errors import UserError
 from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, t2d_from_d2t
 from eagle31_export.formats.drafter_formats import FORMATS
+from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.safetensors_io import read_json, save_tensors, write_json
 
 BUNDLE_FILE = "bundle.json"
@@ -48,24 +49,21 @@ class CheckedPair:
 def checked_pair(drafter: str | os.PathLike, target: str | os.PathLike) -> CheckedPair:
     """Read both checkpoints and refuse, in one line, anything a server would run wrongly."""
     from eagle31_export.formats.target import inspect_target
-    from eagle31_export.reference.pair import check_pair
 
     target = Path(target).resolve()
     report = inspect_target(target)
     if report["problems"]:
         raise UserError(f"target {target} is not servable: {report['problems'][0]}")
-    info = TargetInfo.from_hf_config(read_json(target / "config.json"))
-    ckpt = read_drafter(drafter)
-    problems = check_pair(ckpt, info)
-    if problems:
-        raise UserError(f"drafter {drafter} does not fit target {target}: {problems[0]}")
+    spec = read_pair(drafter, target)
     # Servers must not fall back to THEIR default taps: write the resolved ids explicitly.
-    ids = ckpt.config.resolved_aux_layer_ids(info.num_hidden_layers)
+    ids = spec.aux_layer_ids
     if len(set(ids)) != len(ids):
         raise UserError(f"drafter {drafter} taps layers {list(ids)}, repeating one; servers keep tapped layers "
                         "as a set, so they cannot run it")
+    ckpt = spec.checkpoint
     cfg = ckpt.config.replace(aux_layer_ids=ids, num_aux_hidden_states=len(ids))
-    return CheckedPair(ascending_taps(DrafterCheckpoint(cfg, ckpt.tensors, ckpt.format, ckpt.path)), target, info)
+    return CheckedPair(ascending_taps(DrafterCheckpoint(cfg, ckpt.tensors, ckpt.format, ckpt.path)), target,
+                       spec.target_info)
 
 
 class _Overridden(Mapping[str, Any]):

@@ -30,6 +30,7 @@ from eagle31_export.export import onnx_plugins as P
 from eagle31_export.export.onnx_drafter import DrafterGraphWriter
 from eagle31_export.export.onnx_graph import IR_VERSION, OPSET, ExternalWeights, io_description
 from eagle31_export.export.onnx_target import TargetGraphWriter
+from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.safetensors_io import atomic_output_dir, write_json
 
 FORMAT = "eagle31-export/onnx"
@@ -67,7 +68,7 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
     ckpt = read_drafter(drafter_path)
     target_model, aux_ids, nvfp4 = None, None, {}
     if target_path is not None:
-        target_model, aux_ids, nvfp4 = _load_target(ckpt, drafter_path, target_path)
+        target_model, aux_ids, nvfp4 = _load_target(ckpt, target_path)
     elif "embed_tokens.weight" not in ckpt.tensors or "lm_head.weight" not in ckpt.tensors:
         raise UserError(f"{drafter_path}: the drafter takes embed_tokens/lm_head from its target; pass --target")
     # The reference module gathers every weight under its canonical name (embeddings and lm_head
@@ -110,15 +111,10 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
     return Path(out)
 
 
-def _load_target(ckpt, drafter_path, target_path):
-    from eagle31_export.formats.target import load_causal_lm, read_target_info
-    from eagle31_export.reference.pair import check_pair
+def _load_target(ckpt, target_path):
+    from eagle31_export.formats.target import load_causal_lm
 
-    info = read_target_info(target_path)
-    problems = check_pair(ckpt, info)
-    if problems:
-        raise UserError(f"drafter {drafter_path} does not fit target {target_path}: {problems[0]}")
-    aux_ids = ckpt.config.resolved_aux_layer_ids(info.num_hidden_layers)
+    aux_ids = read_pair(ckpt, target_path).aux_layer_ids
     # NVFP4 targets load dequantized (for norms, embeddings, rope); their packed weights are
     # read separately and go into the graph as they are.
     return load_causal_lm(target_path, dtype=torch.float32), aux_ids, Q.read_nvfp4_weights(target_path)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from eagle31_export.reference.pair import ReferencePair
-from eagle31_export.reference.speculate import speculate
 from eagle31_export.reference.target import tapped_forward
 from eagle31_export.reference.ttt import ttt_forward
+from eagle31_export.runtime.registry import Speculator
 
 
 def text_prompts(tokenizer, texts: list[str], context_len: int, per_text: int = 1) -> list[list[int]]:
@@ -29,11 +29,11 @@ def text_prompts(tokenizer, texts: list[str], context_len: int, per_text: int = 
     return prompts
 
 
-def tau_by_depth(pair: ReferencePair, prompts: list[list[int]], depths, max_new_tokens: int) -> dict[int, float]:
+def tau_by_depth(speculator: Speculator, prompts: list[list[int]], depths, max_new_tokens: int) -> dict[int, float]:
     """Mean acceptance length (greedy) over prompts, per draft depth."""
     out = {}
     for depth in depths:
-        taus = [speculate(pair.target, pair.drafter, p, max_new_tokens, depth).acceptance_length for p in prompts]
+        taus = [speculator.run(p, max_new_tokens, depth).acceptance_length for p in prompts]
         out[depth] = sum(taus) / len(taus)
     return out
 

@@ -16,7 +16,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from eagle31_export.reference.speculate import SpecResult, speculate
+import torch
+
+from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
+from eagle31_export.runtime.registry import Speculator
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,8 @@ class ParityReport:
 
 def _symptom(ref: SpecResult, run: SpecResult, round_index: int | None, logits_diff: float | None,
              logits_atol: float) -> str | None:
-    """Name what diverged first; each pattern has a usual cause (FACTS.md sections 1, 2 and 5)."""
+    """Name what diverged first; each pattern has a usual cause (docs/tapped-layers.md, docs/eagle31.md,
+    docs/nvfp4.md)."""
     if ref.tokens[:1] != run.tokens[:1]:
         return "the target's own first token differs: target weights or NVFP4 scales"
     if logits_diff is not None and logits_diff > logits_atol:
@@ -86,40 +90,52 @@ def _symptom(ref: SpecResult, run: SpecResult, round_index: int | None, logits_d
     return None
 
 
-def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResult, logits_atol: float) -> PromptRow:
+class FirstDraftLogits(LoopObserver):
+    """Keeps the first round's step-1 draft logits: where tap, fc and fc_norm bugs show first."""
+
+    wants_draft_logits = True
+
+    def __init__(self):
+        self.logits: torch.Tensor | None = None
+
+    def on_round(self, round: Round) -> None:
+        if round.index == 0:
+            self.logits = round.first_draft_logits
+
+
+def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
+    if a is None or b is None or a.shape != b.shape:
+        return None
+    return float((a.double() - b.double()).abs().max())
+
+
+def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResult, logits_diff: float | None,
+                   logits_atol: float) -> PromptRow:
     divergent = next((i for i, (a, b) in enumerate(zip(ref.drafts, run.drafts)) if a != b), None)
-    diff = None
-    if ref.first_draft_logits is not None and run.first_draft_logits is not None:
-        if ref.first_draft_logits.shape == run.first_draft_logits.shape:
-            diff = float((ref.first_draft_logits.double() - run.first_draft_logits.double()).abs().max())
     return PromptRow(
         prompt_index=index, prompt_len=len(prompt), tokens_identical=ref.tokens == run.tokens,
         accepted_identical=ref.accepted_per_step == run.accepted_per_step, drafts_identical=divergent is None,
         first_divergent_round=divergent, tau_reference=ref.acceptance_length, tau_runtime=run.acceptance_length,
-        first_logits_max_abs_diff=diff, per_position_reference=ref.per_position_acceptance,
+        first_logits_max_abs_diff=logits_diff, per_position_reference=ref.per_position_acceptance,
         per_position_runtime=run.per_position_acceptance, rounds_reference=len(ref.accepted_per_step),
-        rounds_runtime=len(run.accepted_per_step), symptom=_symptom(ref, run, divergent, diff, logits_atol),
+        rounds_runtime=len(run.accepted_per_step), symptom=_symptom(ref, run, divergent, logits_diff, logits_atol),
     )
 
 
-# (prompt ids, max_new_tokens, depth, temperature, seed) -> the run's result
-Runner = Callable[[list[int], int, int, float, int], SpecResult]
-
-
-def loop_runner(target, drafter) -> Runner:
-    """The one speculation loop over a (TargetBackend, DrafterBackend) pair."""
-    return lambda prompt, n, depth, temperature, seed: speculate(target, drafter, prompt, n, depth, temperature, seed)
-
-
-def run_parity(reference: Runner, runtime: Runner, prompts: list[list[int]], depth: int, max_new_tokens: int,
-               temperature: float = 0.0, seed: int = 0, exact: bool = True, runtime_name: str = "runtime",
+def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[int]], depth: int, max_new_tokens: int,
+               temperature: float = 0.0, seed: int = 0, exact: bool | None = None,
                thresholds: Thresholds = Thresholds(), on_prompt: Callable[[int], None] | None = None) -> ParityReport:
-    report = ParityReport(runtime_name, depth, temperature, exact, thresholds)
+    exact = runtime.exact if exact is None else exact
+    report = ParityReport(runtime.name, depth, temperature, exact, thresholds)
     for i, prompt in enumerate(prompts):
-        ref = reference(prompt, max_new_tokens, depth, temperature, seed + i)
-        run = runtime(prompt, max_new_tokens, depth, temperature, seed + i)
+        runs = []
+        for side in (reference, runtime):
+            logits = FirstDraftLogits()
+            runs.append((side.run(prompt, max_new_tokens, depth, temperature, seed + i, observer=logits), logits))
+        (ref, ref_logits), (run, run_logits) = runs
         atol = thresholds.logits_atol if exact else thresholds.half_precision_logits_atol
-        report.rows.append(compare_prompt(i, prompt, ref, run, atol))
+        diff = _max_abs_diff(ref_logits.logits, run_logits.logits)
+        report.rows.append(compare_prompt(i, prompt, ref, run, diff, atol))
         if on_prompt:
             on_prompt(i)
     report.failures = _failures(report)

@@ -14,13 +14,14 @@ token j+1, so its committed cache covers positions whose next token is known. Ea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from eagle31_export.reference.attention import KVCache
 from eagle31_export.reference.drafter import Eagle3Drafter
+from eagle31_export.reference.statistics import acceptance_length, per_position_acceptance
 
 
 class TargetBackend(Protocol):
@@ -73,26 +74,59 @@ class ReferenceDrafterBackend:
         self.cache.crop(length)
 
 
+class ChainDrafterBackend(Protocol):
+    """A drafter that drafts a whole greedy chain in one call (e.g. an exported chain graph).
+
+    The loop uses it at temperature 0 for depths up to `chain_depth`; the backend still
+    implements the single-step `DrafterBackend` calls for everything else.
+    """
+
+    chain_depth: int
+
+    def draft_chain(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                    depth: int) -> torch.Tensor:
+        """Like the first `forward` of a round, then `depth - 1` greedy steps; logits [1, depth, Vd]."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one speculation round did, as the loop reports it to an observer."""
+
+    index: int
+    drafts: list[int]  # target-vocabulary ids proposed this round
+    accepted: int
+    committed: list[int]  # tokens appended this round (accepted drafts + bonus, cut at a stop or the limit)
+    first_draft_logits: torch.Tensor | None = None  # step-1 draft logits [Vd], when the observer asks
+
+
+class LoopObserver:
+    """The loop's extension point: override what you need (streaming, parity, statistics)."""
+
+    wants_draft_logits = False
+
+    def on_prefill(self, token: int) -> None:
+        """The target's first token, from the prompt's forward (before any round)."""
+
+    def on_round(self, round: Round) -> None:
+        """A round is verified and its tokens committed."""
+
+
 @dataclass
 class SpecResult:
     tokens: list[int]
     drafts: list[list[int]]
     accepted_per_step: list[int]
     depth: int
-    first_draft_logits: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def acceptance_length(self) -> float:
         """tau: tokens produced per target verification (accepted drafts + the bonus token)."""
-        if not self.accepted_per_step:
-            return 0.0
-        return 1.0 + sum(self.accepted_per_step) / len(self.accepted_per_step)
+        return acceptance_length(sum(self.accepted_per_step), len(self.accepted_per_step))
 
     @property
     def per_position_acceptance(self) -> list[float]:
         """Fraction of rounds whose draft at position i (1-based) was accepted."""
-        rounds = max(len(self.accepted_per_step), 1)
-        return [sum(a >= i for a in self.accepted_per_step) / rounds for i in range(1, self.depth + 1)]
+        return per_position_acceptance(self.accepted_per_step, self.depth)
 
     @property
     def drafts_proposed(self) -> int:
@@ -157,10 +191,12 @@ class _Sampler:
 
 
 def speculate(target: TargetBackend, drafter: DrafterBackend, prompt_ids: list[int], max_new_tokens: int,
-              depth: int, temperature: float = 0.0, seed: int = 0, stop_ids: tuple[int, ...] = ()) -> SpecResult:
+              depth: int, temperature: float = 0.0, seed: int = 0, stop_ids: tuple[int, ...] = (),
+              observer: LoopObserver | None = None) -> SpecResult:
     """Generate up to `max_new_tokens` with chain drafts of length `depth`."""
     if depth < 1 or max_new_tokens < 1 or not prompt_ids:
         raise ValueError("depth and max_new_tokens must be >= 1 and the prompt non-empty")
+    observer = observer or LoopObserver()
     sampler = _Sampler(temperature, seed)
     target.reset()
     drafter.reset()
@@ -168,20 +204,16 @@ def speculate(target: TargetBackend, drafter: DrafterBackend, prompt_ids: list[i
     vocab = logits.shape[-1]
     seq = list(prompt_ids) + [sampler.pick(logits[0, -1])]
     result = SpecResult(tokens=[seq[-1]], drafts=[], accepted_per_step=[], depth=depth)
+    observer.on_prefill(seq[-1])
+    # a drafter that drafts whole greedy chains in one call (ChainDrafterBackend) does so at temperature 0
+    chain = temperature == 0 and depth <= getattr(drafter, "chain_depth", 0)
     while len(result.tokens) < max_new_tokens and seq[-1] not in stop_ids:
         m, committed = len(seq) - 1, drafter.length
-        draft_logits, fed_back = drafter.forward(torch.tensor([seq[committed + 1:]]),
-                                                 torch.arange(committed, m).unsqueeze(0), taps, True)
-        if result.first_draft_logits is None:
-            result.first_draft_logits = draft_logits[0, -1].detach().clone()
-        drafts, q = [], []
-        for i in range(depth):
-            token, dist = sampler.draft(draft_logits[0, -1], drafter, vocab)
-            drafts.append(token)
-            q.append(dist)
-            if i + 1 < depth:
-                draft_logits, fed_back = drafter.forward(torch.tensor([[token]]), torch.tensor([[m + i]]),
-                                                         fed_back[:, -1:], False)
+        ids, positions = torch.tensor([seq[committed + 1:]]), torch.arange(committed, m).unsqueeze(0)
+        if chain:
+            drafts, q, first_logits = _draft_chain(drafter, ids, positions, taps, depth, sampler, vocab)
+        else:
+            drafts, q, first_logits = _draft_steps(drafter, ids, positions, taps, m, depth, sampler, vocab)
         verify_logits, verify_taps = target.forward(torch.tensor([[seq[m]] + drafts]))
         accepted, bonus = sampler.verify(verify_logits[0], drafts, q)
         target.truncate(m + accepted + 1)
@@ -191,9 +223,33 @@ def speculate(target: TargetBackend, drafter: DrafterBackend, prompt_ids: list[i
         for stop in stop_ids:  # nothing after a stop token
             if stop in new:
                 new = new[: new.index(stop) + 1]
+        new = new[: max_new_tokens - len(result.tokens)]
         seq += new
         result.tokens += new
         result.drafts.append(drafts)
         result.accepted_per_step.append(accepted)
-    result.tokens = result.tokens[:max_new_tokens]
+        observer.on_round(Round(len(result.drafts) - 1, drafts, accepted, new,
+                                first_logits if observer.wants_draft_logits else None))
     return result
+
+
+def _draft_steps(drafter: DrafterBackend, ids, positions, taps, m: int, depth: int, sampler: _Sampler, vocab: int):
+    """Step 1 on the tapped states, steps 2..depth on the drafter's own fed-back state."""
+    draft_logits, fed_back = drafter.forward(ids, positions, taps, True)
+    first_logits = draft_logits[0, -1].detach().clone()
+    drafts, q = [], []
+    for i in range(depth):
+        token, dist = sampler.draft(draft_logits[0, -1], drafter, vocab)
+        drafts.append(token)
+        q.append(dist)
+        if i + 1 < depth:
+            draft_logits, fed_back = drafter.forward(torch.tensor([[token]]), torch.tensor([[m + i]]),
+                                                     fed_back[:, -1:], False)
+    return drafts, q, first_logits
+
+
+def _draft_chain(drafter: ChainDrafterBackend, ids, positions, taps, depth: int, sampler: _Sampler, vocab: int):
+    """The whole greedy chain in one drafter call."""
+    logits = drafter.draft_chain(ids, positions, taps, depth)
+    drafts = [sampler.draft(logits[0, i], drafter, vocab)[0] for i in range(depth)]
+    return drafts, [None] * depth, logits[0, 0].detach().clone()

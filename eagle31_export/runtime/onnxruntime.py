@@ -183,13 +183,11 @@ class OrtDrafterBackend:
 
 
 class OrtChainDrafterBackend(OrtDrafterBackend):
-    """`DrafterBackend` over drafter_chain.onnx: the whole greedy chain runs in the first call.
+    """`DrafterBackend` that also drafts whole greedy chains with drafter_chain.onnx (one call a round).
 
-    The loop still asks for steps 2..n one at a time; those calls return the logits the chain
-    already computed, after checking that the loop fed back exactly the chain's own draft (it
-    does under greedy decoding; sampling would diverge, which is refused rather than faked).
-    The chain returns the cache after its first step only: the loop crops the drafter cache to the
-    committed positions after every round anyway.
+    The loop calls `draft_chain` at temperature 0 for depths up to the graph's; sampling and
+    deeper chains run on the single-step graphs it inherits. The chain graph returns the cache
+    after its first step only, which is what the loop keeps (it crops to the committed positions).
     """
 
     def __init__(self, export: OnnxExport, threads: int | None = None):
@@ -197,27 +195,14 @@ class OrtChainDrafterBackend(OrtDrafterBackend):
         chain = export.meta["drafter"]["graphs"].get("chain")
         if chain is None:
             raise UserError(f"{export.folder}: no chain graph; export with --chain-depth N")
-        self.chain, self.depth = export.session(chain["file"], threads), int(chain["depth"])
-        self._logits, self._drafts, self._step, self._position = None, None, 0, 0
+        self.chain, self.chain_depth = export.session(chain["file"], threads), int(chain["depth"])
 
-    def forward(self, input_ids, positions, hidden, hidden_is_aux):
-        if hidden_is_aux:
-            # the chain's later steps run at positions up to last + depth - 1
-            _check_positions(_ids(positions)[:, -1:] + self.depth - 1, self.max_positions, "drafter chain")
-            out = _run(self.chain, self._feeds(input_ids, positions, "aux_hidden_states", hidden))
-            self.cache.update(out)
-            self._logits, self._drafts = torch.from_numpy(out["draft_logits"]), out["draft_token_ids"]
-            self._step, self._position = 1, int(positions[0, -1])
-        else:
-            if self._step >= self.depth:
-                raise UserError(f"the chain graph drafts {self.depth} tokens per round; run with --depth <= {self.depth}")
-            token, position = int(input_ids[0, -1]), int(positions[0, -1])
-            if token != int(self._drafts[0, self._step - 1]) or position != self._position + self._step:
-                raise UserError("the chain graph drafts greedily: it can only serve temperature 0 "
-                                "(use the single-step graphs for sampling)")
-            self._step += 1
-        # No fed-back state leaves the chain graph; the loop only hands it back to this backend.
-        return self._logits[:, self._step - 1: self._step], torch.empty(1, 1, 0)
+    def draft_chain(self, input_ids, positions, hidden, depth: int) -> torch.Tensor:
+        # the chain's later steps run at positions up to last + chain_depth - 1
+        _check_positions(_ids(positions)[:, -1:] + self.chain_depth - 1, self.max_positions, "drafter chain")
+        out = _run(self.chain, self._feeds(input_ids, positions, "aux_hidden_states", hidden))
+        self.cache.update(out)
+        return torch.from_numpy(out["draft_logits"])[:, :depth]
 
 
 def load_backends(folder: str | os.PathLike, chain: bool = False, threads: int | None = None):
@@ -226,3 +211,41 @@ def load_backends(folder: str | os.PathLike, chain: bool = False, threads: int |
     drafter = (OrtChainDrafterBackend if chain else OrtDrafterBackend)(export, threads)
     target = OrtTargetBackend(export, threads) if export.has_target else None
     return target, drafter
+
+
+def load(source, options, workdir: Path | None = None):
+    """The registry's `onnxruntime` entry: graphs from `source.artifacts` (an `export onnx` folder),
+    exported into `workdir` on the fly when only checkpoints are given. Without a target graph
+    the reference target verifies (MoE targets have none)."""
+    from eagle31_export.runtime.registry import LoopSpeculator
+
+    if options.kernels != "torch":
+        raise UserError("--kernels applies to --runtime reference")
+    folder = source.artifacts
+    if folder is None:
+        if source.drafter is None or source.target is None or workdir is None:
+            raise UserError("--runtime onnxruntime needs --onnx DIR (the output of `eagle31-export export onnx`)")
+        from eagle31_export.export.onnx_export import export_onnx
+
+        folder = export_onnx(source.drafter, workdir / "onnx", source.target)
+    target, drafter = load_backends(folder, chain=options.chain, threads=options.threads)
+    if target is None:
+        if source.target is None:
+            raise UserError(f"{folder} has no target graph; pass --target for the reference target")
+        from eagle31_export.reference.target import load_target
+
+        ids = drafter.export.meta["drafter"]["aux_layer_ids"]
+        if ids is None:  # exported without a target: the drafter's default taps for this target
+            from eagle31_export.config import default_aux_layer_ids
+            from eagle31_export.formats.target import read_target_info
+
+            ids = default_aux_layer_ids(read_target_info(source.target).num_hidden_layers)
+        target = load_target(source.target, tuple(ids), dtype=options.dtype, act_quant=options.act_quant)
+    return LoopSpeculator("onnxruntime", target, drafter, exact=drafter.export.meta.get("dtype") == "fp32")
+
+
+def prepare_servable(pair_dir: Path, target: Path) -> Path:
+    """The Triton `cpu` model runs the graphs exported next to the drafter, in `pair_dir/onnx`."""
+    from eagle31_export.export.onnx_export import export_onnx
+
+    return export_onnx(pair_dir / "drafter", pair_dir / "onnx", target)

@@ -16,8 +16,10 @@ from typing import Iterator
 
 import numpy as np
 
-from eagle31_export.export.triton import GENERATE_MODEL, SPECULATE_MODEL
-from eagle31_export.reference.speculate import SpecResult
+from eagle31_export.errors import UserError
+from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
+from eagle31_export.runtime.registry import LoadOptions, PairSource, Speculator
+from eagle31_export.runtime.triton_repo import GENERATE_MODEL, SPECULATE_MODEL
 
 STAT_NAMES = ("accepted_per_step", "acceptance_length", "acceptance_rate", "total_accepted_draft_tokens",
               "total_draft_tokens", "draft_tokens")
@@ -118,11 +120,45 @@ def stream(grpc_url: str, prompt: list[int] | str, max_tokens: int = 32, depth: 
 def remote_speculate(http_url: str, prompt_ids: list[int], max_new_tokens: int, depth: int,
                      temperature: float = 0.0, seed: int = 0) -> SpecResult:
     """The server's speculation as a `SpecResult`, comparable field by field with `speculate(...)`."""
-    from eagle31_export.errors import UserError
-
     try:
         got = generate(http_url, list(prompt_ids), max_new_tokens, depth, temperature=temperature, seed=seed)
     except Exception as err:  # connection refused, model missing, server-side error: one line
         raise UserError(f"Triton server at {http_url}: {str(err).splitlines()[0] if str(err) else err!r}") from None
     drafts = [[int(t) for t in row] for row in got.stats.get("draft_tokens", [])]
     return SpecResult(tokens=got.tokens, drafts=drafts, accepted_per_step=got.accepted_per_step, depth=depth)
+
+
+class RemoteSpeculator(Speculator):
+    """The registry's `triton` entry: the server runs the whole loop; its rounds are replayed to
+    the observer afterwards (without draft logits, which do not leave the server)."""
+
+    name = "triton"
+
+    def __init__(self, http_url: str):
+        self.url = http_url
+
+    def run(self, prompt_ids, max_new_tokens, depth, temperature=0.0, seed=0, stop_ids=(), observer=None):
+        if stop_ids:
+            raise UserError("stop ids are not sent to a remote server by this client")
+        result = remote_speculate(self.url, prompt_ids, max_new_tokens, depth, temperature, seed)
+        if observer is not None:
+            replay_rounds(result, observer)
+        return result
+
+
+def replay_rounds(result: SpecResult, observer: LoopObserver) -> None:
+    """Report a finished result's rounds: each committed its accepted drafts plus one token."""
+    if not result.tokens:
+        return
+    observer.on_prefill(result.tokens[0])
+    done = 1
+    for i, (drafts, accepted) in enumerate(zip(result.drafts, result.accepted_per_step)):
+        committed = result.tokens[done: done + accepted + 1]
+        done += len(committed)
+        observer.on_round(Round(i, list(drafts), accepted, committed))
+
+
+def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir=None) -> RemoteSpeculator:
+    if not source.url:
+        raise UserError("--runtime triton needs --url HOST:PORT (HTTP) of a running server (see `eagle31-export serve`)")
+    return RemoteSpeculator(source.url)

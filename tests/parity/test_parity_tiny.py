@@ -10,20 +10,23 @@ from safetensors.torch import load_file, save_file
 
 from eagle31_export.export.onnx_export import export_onnx
 from eagle31_export.formats.drafter import read_drafter, write_drafter
+from pathlib import Path
+
+from eagle31_export.demo.pair import DRAFTERS, TARGET, TARGET_NVFP4, EmbeddedPair
 from eagle31_export.parity.acceptance import tau_by_depth
-from eagle31_export.parity.tiny_pair import DRAFTERS, TARGET, TARGET_NVFP4, held_out_prompts, models_dir
-from eagle31_export.reference.pair import load_pair
+from eagle31_export.runtime.registry import PairSource, load_speculator
 
 from sabotage import drop_fc_norm, pre_norm_feedback, shift_aux_ids
 
-MODELS = models_dir()
+PAIR = EmbeddedPair.open(Path(__file__).resolve().parents[2] / "examples" / "tiny" / "models")
+MODELS = PAIR.folder
 EAGLE31 = MODELS / DRAFTERS["EAGLE 3.1"]
 
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "held_out.jsonl"
-    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in held_out_prompts(48)[:4]))
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PAIR.held_out_prompts(48)[:4]))
     return path
 
 
@@ -34,8 +37,8 @@ def _parity(cli, prompts, out, *args):
 
 
 def test_quality_floor_eagle31_depth3():
-    pair = load_pair(EAGLE31, MODELS / TARGET)
-    tau = tau_by_depth(pair, held_out_prompts(64)[:8], [3], 32)[3]
+    reference = load_speculator("reference", PairSource.of(EAGLE31, MODELS / TARGET))
+    tau = tau_by_depth(reference, PAIR.held_out_prompts(64)[:8], [3], 32)[3]
     assert tau >= 2.2, f"EAGLE 3.1 tiny drafter tau@3 = {tau:.3f} on held-out files"
 
 

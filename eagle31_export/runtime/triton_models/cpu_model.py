@@ -12,7 +12,8 @@ import os
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from eagle31_export.runtime.triton_service import SpeculationService, statistics
+from eagle31_export.reference.statistics import statistics
+from eagle31_export.runtime.triton_service import SpeculationService
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -70,7 +71,7 @@ class TritonPythonModel:
         )
         rest = result.tokens[len(sent):]
         sent.extend(rest)
-        stats = statistics(result)
+        stats = statistics(result.accepted_per_step, result.drafts)
         depth_used = result.depth
         drafts = np.asarray(stats["draft_tokens"], dtype=np.int64).reshape(-1, depth_used)
         outputs = self._tokens(rest, sent) + [

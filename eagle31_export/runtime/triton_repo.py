@@ -24,13 +24,17 @@ import yaml
 
 from eagle31_export.errors import UserError
 from eagle31_export.export.bundle import read_bundle, read_bundle_drafter, write_drafter_files
+from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.safetensors_io import built_in_place, write_json
+from eagle31_export.runtime.registry import DEFAULT_SERVING_RUNTIME, RUNTIMES, runtime_named
 
 FLAVORS = ("trtllm", "cpu")
 SPECULATE_MODEL = "eagle31_speculate"
 GENERATE_MODEL = "eagle31_generate"
 TRTLLM_MODEL = "tensorrt_llm"
-HERE = Path(__file__).parent
+# Code that runs inside Triton: copied into the repository, never imported here.
+MODELS = Path(__file__).parent / "triton_models"
+STATISTICS = Path(__file__).parents[1] / "reference" / "statistics.py"
 
 # (name, Triton type, dims, optional)
 CPU_INPUTS = [
@@ -94,7 +98,7 @@ def pbtxt(name: str, inputs: list, outputs: list, decoupled: bool | None, max_ba
 
 
 def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, flavor: str, force: bool = False,
-                  runtime: str = "onnxruntime") -> Path:
+                  runtime: str = DEFAULT_SERVING_RUNTIME) -> Path:
     if flavor not in FLAVORS:
         raise UserError(f"unknown --flavor {flavor!r}; choose one of {', '.join(FLAVORS)}")
     record = read_bundle(bundle)
@@ -125,37 +129,37 @@ def write_trtllm_repo(record: dict[str, Any], bundle: Path, repo: Path) -> None:
         "triton_config": {"max_batch_size": 0, "decoupled": True},
     }
     (model / "1" / "model.yaml").write_text(yaml.safe_dump(model_yaml, sort_keys=False))
-    shutil.copyfile(HERE / "triton_trtllm_model.py", model / "1" / "model.py")
+    shutil.copyfile(MODELS / "trtllm_model.py", model / "1" / "model.py")
+    shutil.copyfile(STATISTICS, model / "1" / "eagle31_statistics.py")
     (model / "config.pbtxt").write_text(pbtxt(
         TRTLLM_MODEL, TRTLLM_INPUTS, TRTLLM_OUTPUTS, decoupled=None, max_batch_size=None,
         comment="max_batch_size and decoupled come from 1/model.yaml (triton_config) at load time."))
     (repo / "README.md").write_text(_trtllm_readme(record, repo))
 
 
-def write_cpu_repo(record: dict[str, Any], bundle: Path, repo: Path, runtime: str = "onnxruntime") -> None:
+def write_cpu_repo(record: dict[str, Any], bundle: Path, repo: Path, runtime: str = DEFAULT_SERVING_RUNTIME) -> None:
     """A python-backend repository serving the pair through the speculation loop, on ONNX Runtime
     (the exported graphs, written into the repository) or on the PyTorch reference."""
-    from eagle31_export.reference.pair import check_pair
-    from eagle31_export.formats.target import read_target_info
-
+    serving = runtime_named(runtime)
+    if not serving.servable:
+        servable = [name for name, r in RUNTIMES.items() if r.servable]
+        raise UserError(f"--runtime {runtime} cannot run inside the Triton cpu repository; choose one of "
+                        f"{', '.join(servable)}")
     ckpt = read_bundle_drafter(record)
-    problems = check_pair(ckpt, read_target_info(record["target"]))
-    if problems:
-        raise UserError(f"bundle {bundle}: drafter no longer fits target {record['target']}: {problems[0]}")
+    try:
+        read_pair(ckpt, record["target"])
+    except UserError as err:
+        raise UserError(f"bundle {bundle}: {err}") from None
     speculate = repo / SPECULATE_MODEL
     pair = speculate / "1" / "pair"
     write_drafter_files(ckpt, pair / "drafter", "speculators")
-    if runtime == "onnxruntime":
-        from eagle31_export.export.onnx_export import export_onnx
-
-        export_onnx(pair / "drafter", pair / "onnx", record["target"])
-    elif runtime != "reference":
-        raise UserError(f"unknown --runtime {runtime!r}; choose onnxruntime or reference")
+    artifacts = serving.prepare_servable(pair, Path(record["target"]))
     write_json(pair / "pair.json", {"target": record["target"], "drafter": "drafter", "dtype": "fp32",
-                                    "runtime": runtime, "onnx": "onnx",
+                                    "runtime": runtime,
+                                    "artifacts": artifacts.relative_to(pair).as_posix() if artifacts else None,
                                     "max_draft_len": record["max_draft_len"], "bundle": str(bundle),
                                     "bundle_kind": record["kind"]})
-    shutil.copyfile(HERE / "triton_cpu_model.py", speculate / "1" / "model.py")
+    shutil.copyfile(MODELS / "cpu_model.py", speculate / "1" / "model.py")
     streaming = ("streaming", "TYPE_BOOL", [1], True)
     (speculate / "config.pbtxt").write_text(pbtxt(
         SPECULATE_MODEL, CPU_INPUTS + [streaming], CPU_OUTPUTS, decoupled=True, max_batch_size=0,
@@ -163,7 +167,7 @@ def write_cpu_repo(record: dict[str, Any], bundle: Path, repo: Path, runtime: st
         comment=f"EAGLE speculation loop on {runtime}; decoupled: stream with gRPC."))
     generate = repo / GENERATE_MODEL
     (generate / "1").mkdir(parents=True)
-    shutil.copyfile(HERE / "triton_generate_model.py", generate / "1" / "model.py")
+    shutil.copyfile(MODELS / "generate_model.py", generate / "1" / "model.py")
     (generate / "config.pbtxt").write_text(pbtxt(
         GENERATE_MODEL, CPU_INPUTS, CPU_OUTPUTS, decoupled=False, max_batch_size=0,
         parameters={"speculation_model": SPECULATE_MODEL},
@@ -193,8 +197,8 @@ the same seed gives the same tokens as `eagle31-export speculate --temperature T
 
 Checkpoints: the drafter is copied into `{SPECULATE_MODEL}/1/pair/drafter` (speculators layout, tapped
 layers explicit); the target is referenced by path: `{record['target']}`.
-Runtime: `{runtime}` ({"the exported ONNX graphs in `pair/onnx`, run by ONNX Runtime" if runtime == "onnxruntime"
-else "the PyTorch reference"}); `pair/pair.json` names it (`export triton --runtime onnxruntime|reference`).
+Runtime: `{runtime}` ({RUNTIMES[runtime].help}); `pair/pair.json` names it and the artifacts it runs
+(`export triton --runtime {'|'.join(n for n, r in RUNTIMES.items() if r.servable)}`).
 """
 
 

@@ -14,6 +14,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 import yaml
 
+# The package's own statistics module, copied next to this file (this folder is on sys.path):
+# the same definition of tau as everywhere else, without needing eagle31_export installed.
+from eagle31_statistics import acceptance_length, rounds_from_counts
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -45,7 +49,6 @@ class TritonPythonModel:
                 "(NVIDIA's tritonserver trtllm container, or `pip install tensorrt-llm` from NVIDIA's index)") from None
 
         options = {k: v for k, v in _model_yaml().items() if k != "triton_config"}
-        self.max_draft_len = int(options.get("speculative_config", {}).get("max_draft_len", 0))
         try:  # turns nested dicts (speculative_config, ...) into the LLM API's config objects
             from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
 
@@ -99,14 +102,14 @@ class TritonPythonModel:
         spec = getattr(metrics, "speculative_decoding", None)
         if request_output.finished and spec is not None:
             drafted, accepted = int(spec.total_draft_tokens), int(spec.total_accepted_draft_tokens)
-            rounds = drafted / self.max_draft_len if self.max_draft_len else 0
+            # rounds from what the runtime reports (rounds may draft fewer than max_draft_len tokens)
+            rounds = rounds_from_counts(len(out.token_ids), accepted)
             tensors += [
                 pb_utils.Tensor("acceptance_rate", np.asarray([spec.acceptance_rate], dtype=np.float32)),
                 pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([accepted], dtype=np.int32)),
                 pb_utils.Tensor("total_draft_tokens", np.asarray([drafted], dtype=np.int32)),
-                # tau = 1 + accepted drafts per verification; chain drafting proposes max_draft_len per round.
                 pb_utils.Tensor("acceptance_length",
-                                np.asarray([1.0 + accepted / rounds if rounds else 1.0], dtype=np.float32)),
+                                np.asarray([acceptance_length(accepted, rounds)], dtype=np.float32)),
             ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 

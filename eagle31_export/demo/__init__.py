@@ -1,0 +1,1 @@
+"""The demo: an embedded pair (examples/<name>/models in a checkout) through every command."""

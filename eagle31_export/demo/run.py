@@ -1,0 +1,120 @@
+"""The demo: an embedded pair through inspect, NVFP4, every export that runs here, parity on
+ONNX Runtime, and EAGLE-3 vs EAGLE 3.1 acceptance at depths 1..6.
+
+The library only computes and writes files; `cli/demo_cmd.py` draws the progress and tables.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from eagle31_export.demo.pair import DRAFTERS, TARGET, TARGET_NVFP4, EmbeddedPair
+from eagle31_export.errors import MissingRuntimeError
+from eagle31_export.formats.safetensors_io import built_in_place
+from eagle31_export.inspection import inspect_path
+from eagle31_export.parity.acceptance import tau_by_depth, teacher_forced_agreement, text_prompts
+from eagle31_export.parity.compare import ParityReport, run_parity
+from eagle31_export.parity.report import write_report
+from eagle31_export.runtime.registry import PairSource, load_speculator
+
+DEPTHS = range(1, 7)
+PROMPTS = 8
+NEW_TOKENS = 32
+STEPS = 6  # progress units: inspect, exports, parity, and one per measured (target, drafter)
+
+
+@dataclass
+class DemoResult:
+    out: Path
+    reports: dict
+    exports: dict[str, str]
+    parity: ParityReport
+    taus: dict[tuple[str, str], dict[int, float]]
+    agreement: dict[tuple[str, str], list[float]]
+
+
+def run_demo(out: Path, pair_dir: Path, force: bool = True,
+             progress: Callable[[str, float], None] | None = None) -> DemoResult:
+    """`progress(step, amount)` is called as the demo advances (`STEPS` units in all)."""
+    advance = progress or (lambda step, amount: None)
+    pair = EmbeddedPair.open(pair_dir)
+    drafter31 = pair.drafter("EAGLE 3.1")
+    prompts = pair.held_out_prompts(64)[:PROMPTS]
+    # built in place: the serving bundles record absolute paths of their own files
+    with built_in_place(out, force=force) as tmp:
+        reports = {path.name: inspect_path(path, None if path.name.startswith("target") else pair.target)
+                   for path in (pair.target, pair.target_nvfp4, *map(pair.drafter, DRAFTERS))}
+        (tmp / "inspect.json").write_text(json.dumps(reports, indent=2) + "\n")
+        advance("inspect", 1)
+        exports = _exports(drafter31, pair.target, tmp)
+        (tmp / "exports.json").write_text(json.dumps(exports, indent=2) + "\n")
+        advance("exports", 1)
+        reference = load_speculator("reference", PairSource.of(drafter31, pair.target))
+        ort = load_speculator("onnxruntime", PairSource.of(drafter31, pair.target, tmp / "onnx"))
+        parity = run_parity(reference, ort, pair.mixed_length_prompts(), 3, NEW_TOKENS)
+        write_report(parity, tmp / "parity")
+        advance("parity", 1)
+        taus, agreement = {}, {}
+        windows = text_prompts(pair.tokenizer(), pair.held_out_texts(), 256 + max(DEPTHS))[:8]
+        for target in (TARGET, TARGET_NVFP4):
+            for label in DRAFTERS:
+                speculator = load_speculator("reference", PairSource.of(pair.drafter(label), pair.folder / target))
+                taus[(target, label)] = tau_by_depth(speculator, prompts, DEPTHS, NEW_TOKENS)
+                agreement[(target, label)] = teacher_forced_agreement(speculator.pair, windows, max(DEPTHS)).per_position
+                advance(f"{label} on {target}", 0.75)
+        (tmp / "tau.json").write_text(json.dumps([{"target": t, "drafter": d, "tau_by_depth": v,
+                                                   "teacher_forced_agreement": agreement[(t, d)]}
+                                                  for (t, d), v in taus.items()], indent=2) + "\n")
+        _plot_taus(taus, tmp / "tau_by_depth.png")
+    return DemoResult(out, reports, exports, parity, taus, agreement)
+
+
+def _exports(drafter: Path, target: Path, tmp: Path) -> dict[str, str]:
+    """Every export that can run on this machine; the rest say why not."""
+    from eagle31_export.export.engine import build_engines
+    from eagle31_export.export.onnx_export import export_onnx
+    from eagle31_export.export.sglang import export_sglang
+    from eagle31_export.export.trtllm import export_trtllm
+    from eagle31_export.export.vllm import export_vllm
+    from eagle31_export.runtime.triton_repo import export_triton
+
+    done = {}
+    export_onnx(drafter, tmp / "onnx", target)
+    done["onnx"] = "drafter step graphs + target graph with Eagle31 plugin nodes (ONNX Runtime verified below)"
+    export_trtllm(drafter, target, tmp / "trtllm", max_draft_len=3)
+    done["trtllm"] = "TensorRT-LLM drafter folder + LLM-API YAML (trtllm-serve --config)"
+    export_vllm(drafter, target, tmp / "vllm")
+    done["vllm"] = "vLLM drafter + --speculative-config"
+    export_sglang(drafter, target, tmp / "sglang")
+    done["sglang"] = "SGLang drafter + server flags"
+    export_triton(tmp / "trtllm", tmp / "triton-trtllm", "trtllm")
+    done["triton-trtllm"] = "Triton LLM-API repository (TensorRT-LLM PyTorch backend)"
+    export_triton(tmp / "trtllm", tmp / "triton-cpu", "cpu")
+    done["triton-cpu"] = "Triton python-backend repository on ONNX Runtime (eagle31-export serve)"
+    try:
+        build_engines(tmp / "onnx", tmp / "engines")
+        done["engines"] = "TensorRT engines"
+    except MissingRuntimeError as err:
+        done["engines"] = f"skipped: {err}"
+    return done
+
+
+def _plot_taus(taus: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (target, label), by_depth in taus.items():
+        style = "-" if target == TARGET else ":"
+        ax.plot(list(by_depth), list(by_depth.values()), "o" + style, label=f"{label} ({target})")
+    ax.set(xlabel="draft depth", ylabel="tau (tokens per target forward)",
+           title="Tiny pair, held-out stdlib files, greedy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,60 @@
+"""The `reference` runtime: the PyTorch reference pair, as a registry entry.
+
+Its artifacts, when given, are an exported drafter (a checkpoint folder or a serving bundle):
+running it against the source drafter checks that the export reads back as the same drafter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from eagle31_export.errors import UserError
+from eagle31_export.reference.pair import ReferencePair, load_pair
+from eagle31_export.runtime.registry import LoadOptions, LoopSpeculator, PairSource
+
+EXACT_DTYPES = (torch.float32, torch.float64)
+
+
+class ReferenceSpeculator(LoopSpeculator):
+    def __init__(self, pair: ReferencePair, exact: bool):
+        super().__init__("reference", pair.target, pair.drafter, exact)
+        self.pair = pair
+
+
+def _kernel_provider(name: str):
+    if name == "torch":
+        return None  # the drafter's default: reference/ops.py
+    if name == "plugins":
+        from eagle31_export.kernels.torch_ops import PluginKernels
+
+        return PluginKernels()
+    raise UserError(f"unknown --kernels {name!r}; choose torch or plugins")
+
+
+def _drafter_and_target(source: PairSource) -> tuple[Path | None, Path | None]:
+    drafter, target = source.artifacts or source.drafter, source.target
+    if source.artifacts is not None and (source.artifacts / "graphs.json").is_file():
+        raise UserError("an ONNX export runs on --runtime onnxruntime; the reference runtime takes checkpoints")
+    if drafter is not None and (drafter / "bundle.json").is_file():
+        from eagle31_export.export.bundle import read_bundle
+
+        record = read_bundle(drafter)
+        drafter, target = Path(record["drafter"]), target or Path(record["target"])
+    return drafter, target
+
+
+def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir: Path | None = None) -> ReferenceSpeculator:
+    if options.chain:
+        raise UserError("--chain applies to --runtime onnxruntime")
+    drafter, target = _drafter_and_target(source)
+    if drafter is None or target is None:
+        raise UserError("--runtime reference needs --drafter and --target")
+    pair = load_pair(drafter, target, dtype=options.dtype, act_quant=options.act_quant,
+                     kernels=_kernel_provider(options.kernels))
+    return ReferenceSpeculator(pair, exact=options.dtype in EXACT_DTYPES)
+
+
+def prepare_servable(pair_dir: Path, target: Path) -> None:
+    """Nothing to derive: the Triton model loads `pair_dir/drafter` and the target as they are."""

@@ -1,0 +1,128 @@
+"""The runtime registry: what the user gave (checkpoints, exported artifacts, a server URL) and a
+runtime name become one `Speculator`. Every caller (speculate, parity, the demo, the Triton
+model) goes through `load_speculator`; runtime names exist only in `RUNTIMES`.
+
+Adding a runtime = one module with `load(source, options, workdir) -> Speculator` (and, if the
+Triton `cpu` repository can serve it, `prepare_servable(pair_dir, target) -> artifacts`) plus one entry below.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from eagle31_export.errors import UserError
+from eagle31_export.reference.speculate import DrafterBackend, LoopObserver, SpecResult, TargetBackend, speculate
+
+
+@dataclass(frozen=True)
+class PairSource:
+    """What the user named. `artifacts` is the runtime's own input: an `export onnx` folder, a
+    serving bundle or an exported drafter checkpoint."""
+
+    drafter: Path | None = None
+    target: Path | None = None
+    artifacts: Path | None = None
+    url: str | None = None
+
+    @classmethod
+    def of(cls, drafter=None, target=None, artifacts=None, url=None) -> "PairSource":
+        as_path = lambda p: None if p is None else Path(p)  # noqa: E731
+        return cls(as_path(drafter), as_path(target), as_path(artifacts), url)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    dtype: torch.dtype = torch.float32
+    act_quant: bool = False  # NVFP4 targets: emulate W4A4
+    kernels: str = "torch"  # reference drafter: plain torch or the plugin kernels
+    chain: bool = False  # onnxruntime: draft with the exported chain graph
+    threads: int | None = None
+
+
+class Speculator:
+    """A runtime that generates with speculation; `exact` when it computes in fp32 end to end."""
+
+    name: str = ""
+    exact: bool = True
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, depth: int, temperature: float = 0.0, seed: int = 0,
+            stop_ids: tuple[int, ...] = (), observer: LoopObserver | None = None) -> SpecResult:
+        raise NotImplementedError
+
+
+class LoopSpeculator(Speculator):
+    """The one speculation loop over a (TargetBackend, DrafterBackend) pair."""
+
+    def __init__(self, name: str, target: TargetBackend, drafter: DrafterBackend, exact: bool = True):
+        self.name, self.target, self.drafter, self.exact = name, target, drafter, exact
+
+    def run(self, prompt_ids, max_new_tokens, depth, temperature=0.0, seed=0, stop_ids=(), observer=None):
+        return speculate(self.target, self.drafter, list(prompt_ids), max_new_tokens, depth, temperature, seed,
+                         tuple(stop_ids), observer)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    name: str
+    help: str
+    module: Callable[[], object]  # imported on use: runtimes pull in heavy libraries
+
+    def load(self, source: PairSource, options: LoadOptions = LoadOptions(),
+             workdir: Path | None = None) -> Speculator:
+        return self.module().load(source, options, workdir)
+
+    @property
+    def servable(self) -> bool:
+        """Whether the Triton `cpu` repository can serve the pair on this runtime."""
+        return hasattr(self.module(), "prepare_servable")
+
+    def prepare_servable(self, pair_dir: Path, target: Path) -> Path | None:
+        """Write what this runtime needs next to `pair_dir/drafter` (e.g. the ONNX graphs); returns
+        the artifacts folder to pass back as `PairSource.artifacts`, or None."""
+        return self.module().prepare_servable(pair_dir, target)
+
+
+def _reference():
+    from eagle31_export.runtime import reference_runtime
+
+    return reference_runtime
+
+
+def _onnxruntime():
+    from eagle31_export.runtime import onnxruntime
+
+    return onnxruntime
+
+
+def _triton():
+    from eagle31_export.runtime import triton_client
+
+    return triton_client
+
+
+RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
+    Runtime("reference", "the PyTorch reference over checkpoints", _reference),
+    Runtime("onnxruntime", "the exported ONNX graphs on ONNX Runtime (CPU)", _onnxruntime),
+    Runtime("triton", "a running Triton server (--url HOST:PORT)", _triton),
+)}
+
+DEFAULT_SERVING_RUNTIME = "onnxruntime"  # what the Triton `cpu` repository runs unless told otherwise
+
+
+def runtime_named(name: str) -> Runtime:
+    try:
+        return RUNTIMES[name]
+    except KeyError:
+        raise UserError(f"unknown --runtime {name!r}; choose one of {', '.join(RUNTIMES)}") from None
+
+
+def load_speculator(name: str, source: PairSource, options: LoadOptions = LoadOptions(),
+                    workdir: str | os.PathLike | None = None) -> Speculator:
+    """The speculator for runtime `name` over `source`. `workdir`: where a runtime may write what it
+    derives on the fly (the caller owns and removes it)."""
+    return runtime_named(name).load(source, options, Path(workdir) if workdir is not None else None)
