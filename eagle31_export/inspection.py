@@ -15,9 +15,9 @@ from eagle31_export.formats.target import inspect_target, read_target_info
 
 
 def is_drafter(path: Path) -> bool:
-    cfg = read_json(path / "config.json")
-    return bool(cfg.get("draft_vocab_size") or cfg.get("speculators_model_type")
-                or "Eagle3" in " ".join(cfg.get("architectures") or []))
+    from eagle31_export.formats.drafter_formats import looks_like_drafter  # the markers detect_format uses
+
+    return looks_like_drafter(read_json(path / "config.json"))
 
 
 def inspect_path(path: str | os.PathLike, target: str | os.PathLike | None = None) -> dict[str, Any]:

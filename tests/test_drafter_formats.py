@@ -1,17 +1,29 @@
 """Every drafter format: read -> write -> read is lossless; malformed checkpoints fail with one clear line."""
 
+import itertools
 import json
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from eagle31_export.config import DrafterConfig, MlaConfig
 from eagle31_export.errors import CheckpointError
 from factories import drafter_config_for, random_drafter
-from eagle31_export.formats.drafter import read_drafter, write_drafter
-from eagle31_export.formats.drafter_formats import FORMATS
+from eagle31_export.formats.drafter import expected_shapes, format_drafter, read_drafter, write_drafter
+from eagle31_export.formats.drafter_formats import (
+    FORMATS,
+    MLA_ARCHITECTURE_PATCH,
+    consumer_layout,
+    detect_format,
+    looks_like_drafter,
+)
 
 ALL = sorted(FORMATS)
+
+
+def _no_t2d(fmt):
+    return set() if FORMATS[fmt].stores_t2d else {"t2d"}
 
 
 def _variants(info):
@@ -39,7 +51,7 @@ def test_round_trip_is_lossless(tmp_path, llama_info, fmt, variant):
     first = read_drafter(write_drafter(ckpt, tmp_path / "a", fmt))
     assert first.format == fmt
     assert first.unknown_config_keys == []
-    _assert_same(ckpt, first, skip={"t2d"} if fmt == "modelopt" else ())
+    _assert_same(ckpt, first, skip=_no_t2d(fmt))
     second = read_drafter(write_drafter(first, tmp_path / "b", fmt))
     _assert_same(first, second)
     assert json.loads((tmp_path / "a" / "config.json").read_text()) == json.loads(
@@ -58,7 +70,7 @@ def test_conversion_between_every_pair_of_formats(tmp_path, llama_info):
 
 def test_norm_before_fc_round_trips_where_the_format_has_it(tmp_path, llama_info):
     ckpt = random_drafter(drafter_config_for(llama_info, norm_before_fc=True))
-    for fmt in ("speculators", "modelopt"):
+    for fmt in ("speculators", "modelopt", "trtllm"):
         back = read_drafter(write_drafter(ckpt, tmp_path / fmt, fmt))
         assert back.config.norm_before_fc and "input_norm.weight" in back.tensors
     with pytest.raises(CheckpointError, match="norm_before_fc"):
@@ -80,7 +92,7 @@ def test_layer_numbering_is_converted_at_the_edge(tmp_path, llama_info):
         cfg = json.loads((write_drafter(ckpt, tmp_path / fmt, fmt) / "config.json").read_text())
         stored[fmt] = cfg.get("eagle_aux_hidden_state_layer_ids") or cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert stored["eagle"] == stored["speculators"] == [2, 4, 5]  # vLLM: before layer i
-    assert stored["specforge"] == stored["modelopt"] == [1, 3, 4]  # output of layer i
+    assert stored["specforge"] == stored["modelopt"] == stored["trtllm"] == [1, 3, 4]  # output of layer i
 
 
 def _edit_config(folder, drop=(), **values):
@@ -171,3 +183,97 @@ def test_truncated_safetensors_is_one_clear_error(tmp_path, eagle31_ckpt):
 def test_not_a_drafter_is_one_clear_error(llama_target):
     with pytest.raises(CheckpointError, match="cannot tell the drafter format"):
         read_drafter(llama_target)
+
+
+# ---- expected shapes, computed without the reference module ---------------------------------
+
+def _grid_configs():
+    mla_ranks = (MlaConfig(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+                 MlaConfig(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12))
+    for attention, norm, layers, bias, target_hidden, k in itertools.product(
+            ("gqa", "mla0", "mla1"), ("none", "fc_norm", "norm_before_fc"), (1, 2), (False, True), (None, 96), (3, 5)):
+        fields = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=20, vocab_size=300, draft_vocab_size=120, target_hidden_size=target_hidden,
+                      num_layers=layers, attention_bias=bias, num_aux_hidden_states=k,
+                      fc_norm=norm == "fc_norm", norm_before_fc=norm == "norm_before_fc", norm_output=True)
+        if attention != "gqa":
+            fields.update(attention="mla", mla=mla_ranks[int(attention[-1])])
+        yield pytest.param(DrafterConfig(**fields), id=f"{attention}-{norm}-L{layers}-bias{int(bias)}-"
+                                                       f"ht{target_hidden}-k{k}")
+
+
+@pytest.mark.parametrize("cfg", list(_grid_configs()))
+def test_expected_shapes_match_the_reference_module(cfg):
+    from eagle31_export.reference.drafter import Eagle3Drafter
+
+    with torch.device("meta"):
+        module = Eagle3Drafter(cfg)
+    reference = [(name, tuple(t.shape)) for name, t in module.state_dict().items()] + [("t2d", (cfg.vocab_size,))]
+    assert list(expected_shapes(cfg).items()) == reference  # names, shapes and order
+
+
+# ---- the TensorRT-LLM layout as a format ----------------------------------------------------
+
+def test_trtllm_layout_several_layers(tmp_path, llama_info):
+    cfg = drafter_config_for(llama_info, num_layers=3, norm_before_fc=True, aux_layer_ids=(1, 3, 4))
+    ckpt = random_drafter(cfg, seed=5)
+    folder = write_drafter(ckpt, tmp_path / "t", "trtllm")
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        d2t_dtype = f.get_tensor("d2t").dtype
+    assert d2t_dtype == torch.int32 and "t2d" not in names
+    assert {"midlayer.0.hidden_norm.weight", "midlayer.0.input_layernorm.weight", "midlayer.1.hidden_norm.weight",
+            "midlayer.2.hidden_norm.weight", "input_norm.weight"} <= names
+    assert "midlayer.1.input_layernorm.weight" not in names and not any(n.startswith("layers.") for n in names)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["target_hidden_size"] == 64
+    assert config["norm_output"] is False and config["eagle_config"]["return_hidden_post_norm"] is False
+    back = read_drafter(folder)
+    assert back.format == "trtllm" and back.unknown_config_keys == []
+    _assert_same(ckpt, back, skip={"t2d"})
+
+
+def test_trtllm_omits_a_full_vocabulary_d2t(tmp_path, llama_info):
+    cfg = drafter_config_for(llama_info, draft_vocab_size=llama_info.vocab_size)
+    ckpt = random_drafter(cfg)
+    ckpt.tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+    config, tensors = format_drafter(ckpt, "trtllm")
+    assert "d2t" not in tensors and "t2d" not in tensors
+    ckpt.tensors["d2t"] = torch.roll(torch.arange(cfg.vocab_size), 1) - torch.arange(cfg.vocab_size)
+    with pytest.raises(CheckpointError, match="full-size draft vocabulary"):
+        format_drafter(ckpt, "trtllm")
+
+
+def test_trtllm_and_specforge_are_told_apart(tmp_path, llama_info):
+    ckpt = random_drafter(drafter_config_for(llama_info, fc_norm=True, norm_output=True, aux_layer_ids=(1, 3, 4)))
+    trt = json.loads((write_drafter(ckpt, tmp_path / "t", "trtllm") / "config.json").read_text())
+    sf = json.loads((write_drafter(ckpt, tmp_path / "s", "specforge") / "config.json").read_text())
+    names = ["midlayer.self_attn.q_proj.weight", "fc.weight"]
+    assert detect_format(trt, names).name == "trtllm"
+    assert set(sf["eagle_config"]) == {"eagle_aux_hidden_state_layer_ids"}
+    assert detect_format(sf, names).name == "specforge"
+    assert read_drafter(tmp_path / "s").format == "specforge"
+
+
+def test_looks_like_drafter_uses_the_detection_markers(tmp_path, eagle31_ckpt, llama_target):
+    for fmt in ALL:
+        assert looks_like_drafter(json.loads((write_drafter(eagle31_ckpt, tmp_path / fmt, fmt) / "config.json")
+                                             .read_text())), fmt
+    assert not looks_like_drafter(json.loads((llama_target / "config.json").read_text()))
+
+
+def test_consumer_layouts(llama_info):
+    plain = drafter_config_for(llama_info, fc_norm=True, norm_output=True)
+    assert consumer_layout("vllm", plain) == ("eagle", None)
+    assert consumer_layout("vllm", plain.replace(num_layers=2))[0] == "speculators"
+    assert consumer_layout("vllm", drafter_config_for(llama_info, norm_before_fc=True))[0] == "speculators"
+    assert consumer_layout("sglang", plain) == ("specforge", None)
+    assert consumer_layout("trtllm", plain) == ("trtllm", None)
+    mla = drafter_config_for(llama_info, mla=True)
+    assert consumer_layout("vllm", mla) == ("eagle", MLA_ARCHITECTURE_PATCH)
+    assert consumer_layout("sglang", mla) == ("specforge", MLA_ARCHITECTURE_PATCH)
+    assert consumer_layout("trtllm", mla) == ("trtllm", None)
+    with pytest.raises(CheckpointError, match="unknown serving runtime"):
+        consumer_layout("tgi", plain)

@@ -9,9 +9,8 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from eagle31_export.export.trtllm_drafter import read_trtllm_drafter
 from factories import drafter_config_for, random_drafter
-from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter
+from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, write_drafter
 from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.reference.pair import load_pair
 from eagle31_export.reference.speculate import ReferenceDrafterBackend, speculate
@@ -98,7 +97,7 @@ def test_llm_api_yaml_and_readme(bundle, llama_target):
 def test_bundle_drafter_runs_exactly_like_the_source(bundle, unordered, llama_target):
     """Read back and run with its own (ascending) taps: same drafts, same acceptance, same tokens."""
     source = load_pair(unordered[1], llama_target, dtype=torch.float64)
-    back = read_trtllm_drafter(bundle / "drafter")
+    back = read_drafter(bundle / "drafter")
     assert back.config.aux_layer_ids == (1, 3, 4) and back.config.norm_output and back.config.fc_norm
     target = ReferenceTarget(source.target.model, back.config.aux_layer_ids)
     drafter = ReferenceDrafterBackend(build_drafter(back, torch.float64, source.target.model))
@@ -121,7 +120,7 @@ def test_several_layers_use_midlayer_n_and_hidden_norm(tmp_path, llama_info, lla
     assert "input_norm.weight" in names
     config = json.loads((out / "drafter" / "config.json").read_text())
     assert config["eagle_config"]["norm_before_fc"] is True and config["fc_norm"] is False
-    back = read_trtllm_drafter(out / "drafter")
+    back = read_drafter(out / "drafter")
     assert back.config.num_layers == 2 and back.config.norm_before_fc
     assert set(back.tensors) == set(random_drafter(cfg).tensors) - {"t2d"}
 
@@ -135,7 +134,7 @@ def test_mla_drafter_resolves_to_the_eagle3_class(tmp_path, llama_info, llama_ta
     config = json.loads((out / "drafter" / "config.json").read_text())
     assert trtllm_architecture(config) == "EAGLE3LlamaForCausalLM" and config["kv_lora_rank"] == 16  # MLA inside
     assert "midlayer.self_attn.kv_a_proj_with_mqa.weight" in tensors_of(out / "drafter")
-    assert read_trtllm_drafter(out / "drafter").config.attention == "mla"
+    assert read_drafter(out / "drafter").config.attention == "mla"
 
 
 def test_copy_target(tmp_path, eagle31_dir, llama_target):

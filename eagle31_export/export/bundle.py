@@ -20,8 +20,7 @@ from typing import Any, Mapping
 
 from eagle31_export.config import DrafterConfig, TargetInfo, output_to_before_layer
 from eagle31_export.errors import UserError
-from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, t2d_from_d2t
-from eagle31_export.formats.drafter_formats import FORMATS
+from eagle31_export.formats.drafter import DrafterCheckpoint, format_drafter, read_drafter
 from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.safetensors_io import read_json, save_tensors, write_json
 
@@ -148,12 +147,7 @@ def write_drafter_files(ckpt: DrafterCheckpoint, folder: Path, fmt_name: str,
     Unlike `write_drafter`, no nested atomic folder or manifest: the bundle has one manifest.
     `config_patch` overrides top-level config keys a runtime needs (e.g. its architecture name).
     """
-    fmt = FORMATS[fmt_name]
-    cfg = ckpt.config
-    config = {**fmt.write_config(cfg), **(config_patch or {})}
-    tensors = {fmt.from_canonical(name, cfg): ckpt.tensors[name] for name in ckpt.tensors}
-    if "t2d" not in ckpt.tensors and "d2t" in ckpt.tensors:
-        tensors["t2d"] = t2d_from_d2t(ckpt.tensors["d2t"], cfg.vocab_size)
+    config, tensors = format_drafter(ckpt, fmt_name, config_patch)  # the same rules as write_drafter
     folder.mkdir(parents=True, exist_ok=True)
     save_tensors(tensors, folder)
     write_json(folder / "config.json", config)
@@ -204,8 +198,4 @@ def read_bundle(bundle: str | os.PathLike) -> dict[str, Any]:
 
 def read_bundle_drafter(record: Mapping[str, Any]) -> DrafterCheckpoint:
     """The bundle's drafter in canonical names, whatever runtime layout it was written in."""
-    if record["kind"] == "trtllm":
-        from eagle31_export.export.trtllm_drafter import read_trtllm_drafter
-
-        return read_trtllm_drafter(record["drafter"])
     return read_drafter(record["drafter"])

@@ -20,10 +20,10 @@ from eagle31_export.export.bundle import (
     write_drafter_files,
 )
 from eagle31_export.errors import UserError
+from eagle31_export.formats.drafter_formats import consumer_layout
 from eagle31_export.formats.safetensors_io import atomic_output_dir, write_json
 
 ARGS_FILE = "sglang_args.json"
-MLA_PATCH = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3"}
 
 
 def server_args(target: str, drafter_dir: str, k: int, tp: int, pp: int, port: int = 30000) -> list[str]:
@@ -44,22 +44,23 @@ def export_sglang(drafter: str | os.PathLike, target: str | os.PathLike, out: st
                         "this drafter cannot be served by SGLang as it is (try vLLM)")
     check_parallel(pair.target_info, cfg, tp, pp)
     out = Path(out).resolve()
+    fmt, patch = consumer_layout("sglang", cfg)
     with atomic_output_dir(out, force=force) as tmp:
-        write_drafter_files(pair.checkpoint, tmp / "drafter", "specforge", MLA_PATCH if cfg.attention == "mla" else None)
+        write_drafter_files(pair.checkpoint, tmp / "drafter", fmt, patch)
         target_path = str(out / "target") if copy else str(pair.target)
         if copy:
             copy_target(pair.target, tmp / "target")
         args = server_args(target_path, str(out / "drafter"), num_steps, tp, pp)
         write_json(tmp / ARGS_FILE, {"module": "sglang.launch_server", "args": args})
         write_json(tmp / BUNDLE_FILE, bundle_record("sglang", pair, "target" if copy else target_path,
-                                                    num_steps, tp, pp, drafter_format="specforge"))
+                                                    num_steps, tp, pp, drafter_format=fmt))
         (tmp / "README.md").write_text(f"""# SGLang bundle (EAGLE {cfg.eagle_version} drafter)
 
 ```
 python -m sglang.launch_server {shlex.join(args)}
 ```
 
-- drafter: `{out / 'drafter'}` in the SpecForge layout
+- drafter: `{out / 'drafter'}` in the {fmt} layout
 - tapped target layers (output of layer, `eagle_config.eagle_aux_hidden_state_layer_ids`): {list(pair.aux_layer_ids)}
 - chain drafting: {num_steps} steps, top-k 1, {num_steps + 1} draft tokens per verification
 """)

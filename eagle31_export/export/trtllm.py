@@ -3,7 +3,7 @@
 EAGLE-3 runs only on TensorRT-LLM's PyTorch backend (LLM API, `trtllm-serve`, `trtllm-bench`),
 so the bundle is configuration, not engines:
 
-    OUT/drafter/       config.json + model.safetensors (see trtllm_drafter.py)
+    OUT/drafter/       config.json + model.safetensors (layout: formats.drafter_formats.TrtllmFormat)
     OUT/llm_api.yaml   for `trtllm-serve --config` and `trtllm-bench --config`
     OUT/README.md      the exact command line
     OUT/bundle.json    what `export triton` reads
@@ -28,9 +28,11 @@ from eagle31_export.export.bundle import (
 )
 from eagle31_export.export.trtllm_drafter import write_trtllm_drafter
 from eagle31_export.errors import UserError
+from eagle31_export.formats.drafter_formats import consumer_layout
 from eagle31_export.formats.safetensors_io import atomic_output_dir, write_json
 
 LLM_API_FILE = "llm_api.yaml"
+RUNTIME = "trtllm"  # the bundle kind, and the consumer whose drafter layout `consumer_layout` gives
 
 
 def speculative_config(drafter_dir: str, max_draft_len: int, layers: list[int]) -> dict[str, Any]:
@@ -73,8 +75,9 @@ def export_trtllm(drafter: str | os.PathLike, target: str | os.PathLike, out: st
             copy_target(pair.target, tmp / "target")
         options = llm_api_options(str(out / "drafter"), max_draft_len, list(pair.aux_layer_ids), tp, pp)
         (tmp / LLM_API_FILE).write_text(_yaml_header() + yaml.safe_dump(options, sort_keys=False))
-        write_json(tmp / BUNDLE_FILE, bundle_record("trtllm", pair, "target" if copy else target_path,
-                                                    max_draft_len, tp, pp, llm_api=LLM_API_FILE))
+        write_json(tmp / BUNDLE_FILE, bundle_record(RUNTIME, pair, "target" if copy else target_path,
+                                                    max_draft_len, tp, pp, llm_api=LLM_API_FILE,
+                                                    drafter_format=consumer_layout(RUNTIME, pair.config)[0]))
         (tmp / "README.md").write_text(_readme(pair, out, target_path, max_draft_len, tp, pp))
     return out
 

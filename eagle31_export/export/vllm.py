@@ -6,7 +6,7 @@ it in the same numbering, which is why no `eagle_config` list is written here). 
 written in the original EAGLE layout (`midlayer.*`, `fc_norm.{i}`, top-level `fc_norm` /
 `norm_output` that vLLM's llama_eagle3 reads); drafters that layout cannot hold (several layers,
 `norm_before_fc`) go in the speculators layout. MLA drafters get vLLM's
-`Eagle3DeepseekV2ForCausalLM` architecture.
+`Eagle3DeepseekV2ForCausalLM` architecture. The choice is `formats.drafter_formats.consumer_layout`.
 """
 
 from __future__ import annotations
@@ -26,14 +26,10 @@ from eagle31_export.export.bundle import (
     write_drafter_files,
 )
 from eagle31_export.errors import UserError
+from eagle31_export.formats.drafter_formats import SpeculatorsFormat, consumer_layout
 from eagle31_export.formats.safetensors_io import atomic_output_dir, write_json
 
 SPEC_FILE = "speculative_config.json"
-MLA_PATCH = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3"}
-
-
-def vllm_format(cfg) -> str:
-    return "speculators" if (cfg.num_layers > 1 or cfg.norm_before_fc) else "eagle"
 
 
 def speculative_config(drafter_dir: str, k: int) -> dict[str, Any]:
@@ -53,9 +49,8 @@ def export_vllm(drafter: str | os.PathLike, target: str | os.PathLike, out: str 
     pair = checked_pair(drafter, target)
     check_parallel(pair.target_info, pair.config, tp, pp)
     out = Path(out).resolve()
-    fmt = vllm_format(pair.config)
+    fmt, patch = consumer_layout("vllm", pair.config)
     with atomic_output_dir(out, force=force) as tmp:
-        patch = MLA_PATCH if pair.config.attention == "mla" else None
         write_drafter_files(pair.checkpoint, tmp / "drafter", fmt, patch)
         target_path = str(out / "target") if copy else str(pair.target)
         if copy:
@@ -80,7 +75,7 @@ def export_vllm(drafter: str | os.PathLike, target: str | os.PathLike, out: str 
 
 
 def _speculators_note(fmt: str, cfg) -> str:
-    if fmt != "speculators" or cfg.eagle_version != "3.1":
+    if fmt != SpeculatorsFormat.name or cfg.eagle_version != "3.1":
         return ""
     return ("- this drafter needs the speculators layout; vLLM read `fc_norm` / `norm_output` on that path "
             "only from PR #46488 on: use a release that includes it.\n")

@@ -3,6 +3,10 @@
     ckpt = read_drafter("path/to/drafter")          # format detected, tensors lazy
     ckpt.config.fc_norm, ckpt.tensors["fc.weight"]
     write_drafter(ckpt, "out/dir", "speculators")   # atomic, with manifest.json
+
+`format_drafter` applies every format rule (config keys, tensor names, which buffers a format
+stores and in which dtype) and is the one path to a format, for standalone checkpoints and for
+the drafters inside serving bundles alike.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -33,12 +37,13 @@ OPTIONAL_TENSORS = {"embed_tokens.weight", "lm_head.weight", "d2t", "t2d"}
 class RenamedTensors(Mapping[str, torch.Tensor]):
     """Lazy canonical-name view over a checkpoint's tensors."""
 
-    def __init__(self, source: SafetensorsDir, fmt: DrafterFormat):
+    def __init__(self, source: SafetensorsDir, fmt: DrafterFormat, cfg: DrafterConfig):
         self.source = source
-        self.by_canonical = {fmt.to_canonical(n): n for n in source}
+        self.by_canonical = {fmt.to_canonical(n, cfg): n for n in source}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.source[self.by_canonical[name]]
+        t = self.source[self.by_canonical[name]]
+        return t.to(torch.int64) if name == "d2t" else t  # canonical d2t is int64 whatever a format stores
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.by_canonical)
@@ -68,14 +73,60 @@ class DrafterCheckpoint:
 
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape, from the reference module built on the meta device."""
-    from eagle31_export.reference.drafter import Eagle3Drafter
+    """Canonical name -> shape of every tensor a drafter with config `cfg` has, plus `t2d`.
 
-    with torch.device("meta"):
-        module = Eagle3Drafter(cfg)
-    shapes = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    The reference module's state_dict (`reference.drafter.Eagle3Drafter`), names and order
+    alike, computed from the config alone (tests check the two agree).
+    """
+    h, ht, k = cfg.hidden_size, cfg.effective_target_hidden_size, cfg.num_aux_hidden_states
+    shapes: dict[str, tuple[int, ...]] = {"d2t": (cfg.draft_vocab_size,),  # the module's own buffer comes first
+                                          "embed_tokens.weight": (cfg.vocab_size, h), "fc.weight": (h, k * ht)}
+    if cfg.fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": (ht,) for i in range(k)})
+    if cfg.norm_before_fc:
+        shapes["input_norm.weight"] = (k * ht,)
+    for layer in range(cfg.num_layers):
+        p = f"layers.{layer}."
+        if layer == 0:
+            shapes[p + "hidden_norm.weight"] = (h,)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        # EAGLE-3's first layer attends over cat(input_layernorm(embed), hidden_norm(g)): 2H inputs.
+        for name, shape in _attention_shapes(cfg, 2 * h if layer == 0 else h).items():
+            shapes[p + "self_attn." + name] = shape
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+    shapes["norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (cfg.draft_vocab_size, h)
     shapes["t2d"] = (cfg.vocab_size,)
     return shapes
+
+
+def _attention_shapes(cfg: DrafterConfig, d_in: int) -> dict[str, tuple[int, ...]]:
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.attention == "mla":
+        m = cfg.mla
+        out: dict[str, tuple[int, ...]] = {}
+        if m.q_lora_rank:
+            out["q_a_proj.weight"] = (m.q_lora_rank, d_in)
+            out["q_a_layernorm.weight"] = (m.q_lora_rank,)
+            out["q_b_proj.weight"] = (heads * m.qk_head_dim, m.q_lora_rank)
+        else:
+            out["q_proj.weight"] = (heads * m.qk_head_dim, d_in)
+        out["kv_a_proj_with_mqa.weight"] = (m.kv_lora_rank + m.qk_rope_head_dim, d_in)
+        out["kv_a_layernorm.weight"] = (m.kv_lora_rank,)
+        out["kv_b_proj.weight"] = (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        out["o_proj.weight"] = (h, heads * m.v_head_dim)
+        return out
+    q, kv = heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = {}
+    for proj, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        out[f"{proj}.weight"] = (width, d_in)
+        if cfg.attention_bias:
+            out[f"{proj}.bias"] = (width,)
+    out["o_proj.weight"] = (h, q)
+    return out
 
 
 def read_drafter(path: str | os.PathLike) -> DrafterCheckpoint:
@@ -93,7 +144,7 @@ def read_drafter(path: str | os.PathLike) -> DrafterCheckpoint:
         raise CheckpointError(f"{path / 'config.json'}: {err}") from None
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / 'config.json'}: malformed {fmt.name} config ({err!r})") from None
-    tensors = RenamedTensors(source, fmt)
+    tensors = RenamedTensors(source, fmt, cfg)
     _check_tensors(cfg, tensors, path)
     return DrafterCheckpoint(cfg, tensors, fmt.name, path, unknown)
 
@@ -132,20 +183,51 @@ def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return t2d
 
 
+def format_named(fmt_name: str) -> DrafterFormat:
+    """The format called `fmt_name`, or one clear error naming the known ones."""
+    try:
+        return FORMATS[fmt_name]
+    except KeyError:
+        raise CheckpointError(f"unknown drafter format {fmt_name!r}; choose one of {sorted(FORMATS)}") from None
+
+
+def format_drafter(ckpt: DrafterCheckpoint, fmt_name: str, config_patch: Mapping[str, Any] | None = None
+                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, tensors by stored name) of the checkpoint in format `fmt_name`.
+
+    Every format rule lives in the format class; this applies them. `config_patch` overrides
+    top-level config keys a runtime needs (e.g. its architecture name). Refuses, before anything
+    is written, a drafter the format cannot hold.
+    """
+    fmt = format_named(fmt_name)
+    cfg = ckpt.config
+    problems = fmt.limits(cfg)
+    if problems:
+        raise CheckpointError(problems[0])
+    config = {**fmt.write_config(cfg), **(config_patch or {})}
+    tensors: dict[str, torch.Tensor] = {}
+    for name in ckpt.tensors:
+        if name == "t2d" and not fmt.stores_t2d:
+            continue
+        t = ckpt.tensors[name]
+        if name == "d2t":
+            if cfg.draft_vocab_size == cfg.vocab_size and not fmt.stores_full_vocab_d2t:
+                if bool(t.any()):
+                    raise CheckpointError(f"the {fmt.name} format stores no d2t for a full-size draft vocabulary, "
+                                          "and this d2t permutes it")
+                continue
+            t = t.to(fmt.d2t_dtype)
+        tensors[fmt.from_canonical(name, cfg)] = t
+    if fmt.stores_t2d and "t2d" not in ckpt.tensors and "d2t" in ckpt.tensors:
+        tensors["t2d"] = t2d_from_d2t(ckpt.tensors["d2t"], cfg.vocab_size)
+    return config, tensors
+
+
 def write_drafter(ckpt: DrafterCheckpoint, out: str | os.PathLike, fmt_name: str, force: bool = False,
                   max_shard_bytes: int | None = None) -> Path:
     """Write the checkpoint in `fmt_name` atomically (temp folder, manifest, rename)."""
-    try:
-        fmt = FORMATS[fmt_name]
-    except KeyError:
-        raise CheckpointError(f"unknown drafter format {fmt_name!r}; choose one of {sorted(FORMATS)}") from None
-    cfg = ckpt.config
-    config_json = fmt.write_config(cfg)
+    config, tensors = format_drafter(ckpt, fmt_name)
     with atomic_output_dir(out, force=force) as tmp:
-        tensors = {fmt.from_canonical(name, cfg): ckpt.tensors[name] for name in ckpt.tensors
-                   if not (name == "t2d" and fmt_name == "modelopt")}  # ModelOpt exports carry no t2d
-        if fmt_name != "modelopt" and "t2d" not in ckpt.tensors and "d2t" in ckpt.tensors:
-            tensors["t2d"] = t2d_from_d2t(ckpt.tensors["d2t"], cfg.vocab_size)
         save_tensors(tensors, tmp, max_shard_bytes)
-        write_json(tmp / "config.json", config_json)
+        write_json(tmp / "config.json", config)
     return Path(out)

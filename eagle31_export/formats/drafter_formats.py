@@ -7,12 +7,17 @@ and from the canonical `DrafterConfig` and canonical tensor names (the parameter
 Tapped-layer numbering per format (FACTS.md section 1):
 - eagle (original EAGLE) and speculators: "before layer i" (vLLM's numbering), top-level
   `eagle_aux_hidden_state_layer_ids`.
-- specforge / TorchSpec and modelopt: "output of layer i", `eagle_config.eagle_aux_hidden_state_layer_ids`.
+- specforge / TorchSpec, modelopt and trtllm (TensorRT-LLM's own drafter layout): "output of
+  layer i", `eagle_config.eagle_aux_hidden_state_layer_ids`.
+
+`consumer_layout` says which of these layouts each serving runtime reads.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from eagle31_export.config import (
     DrafterConfig,
@@ -133,18 +138,47 @@ def _flat_keys(cfg: DrafterConfig, architecture: str, model_type: str) -> dict[s
     return out
 
 
+def _refuse(fmt: DrafterFormat, cfg: DrafterConfig) -> None:
+    problems = fmt.limits(cfg)
+    if problems:
+        raise CheckpointError(problems[0])
+
+
 def _ids(value: Any) -> tuple[int, ...] | None:
     return None if value is None else tuple(int(i) for i in value)
 
 
 class DrafterFormat:
-    """Base: a format that stores the first layer under `layer_prefix` and the rest as given."""
+    """Base: a format that stores the first layer under `layer_prefix` and the rest as given.
+
+    The class attributes are the format's special cases; `formats.drafter.format_drafter` applies
+    them, so every writer (standalone checkpoint or serving bundle) follows the same rules.
+    """
 
     name = ""
     layer_prefix = "layers."  # how the format names canonical `layers.`
+    max_layers: int | None = None  # drafter layers the format can hold (None: any number)
+    has_norm_before_fc = True  # whether the config can say norm_before_fc (input_norm over the concatenation)
+    stores_t2d = True  # writes the t2d buffer (derived from d2t when the checkpoint lacks it)
+    d2t_dtype = torch.int64  # dtype d2t is stored in (read back as canonical int64)
+    stores_full_vocab_d2t = True  # writes d2t even when draft_vocab_size == vocab_size
+
+    # ---- what the format can hold -----------------------------------------
+    def limits(self, cfg: DrafterConfig) -> list[str]:
+        """Why this format cannot hold a drafter with config `cfg` (empty: it can)."""
+        problems = []
+        if self.max_layers is not None and cfg.num_layers > self.max_layers:
+            problems.append(f"format {self.name!r} holds {self.max_layers} drafter layer(s); "
+                            f"this drafter has {cfg.num_layers}")
+        if cfg.norm_before_fc and not self.has_norm_before_fc:
+            problems.append(f"the {self.name} format has no norm_before_fc; write speculators or modelopt")
+        return problems
+
+    def holds(self, cfg: DrafterConfig) -> bool:
+        return not self.limits(cfg)
 
     # ---- tensor names ----------------------------------------------------
-    def to_canonical(self, name: str) -> str:
+    def to_canonical(self, name: str, cfg: DrafterConfig) -> str:
         if self.layer_prefix != "layers." and name.startswith(self.layer_prefix):
             return "layers.0." + name[len(self.layer_prefix):]
         return name
@@ -169,6 +203,8 @@ class EagleFormat(DrafterFormat):
 
     name = "eagle"
     layer_prefix = "midlayer."
+    max_layers = 1
+    has_norm_before_fc = False
     architecture = "LlamaForCausalLM"
     known = LLAMA_KEYS | {"draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
                           "num_aux_hidden_states", "fc_norm", "norm_output", "norm_before_residual"}
@@ -191,8 +227,7 @@ class EagleFormat(DrafterFormat):
         for flag in ("fc_norm", "norm_output", "norm_before_residual"):
             if getattr(cfg, flag):
                 out[flag] = True
-        if cfg.norm_before_fc:
-            raise CheckpointError("the original EAGLE format has no norm_before_fc; write speculators or modelopt")
+        _refuse(self, cfg)
         return out
 
 
@@ -215,8 +250,7 @@ class SpecForgeFormat(EagleFormat):
         out = _flat_keys(cfg, self.architecture, "llama")
         if cfg.aux_layer_ids is not None:
             out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)}
-        if cfg.norm_before_fc:
-            raise CheckpointError("the SpecForge format has no norm_before_fc; write speculators or modelopt")
+        _refuse(self, cfg)
         return out
 
 
@@ -286,6 +320,7 @@ class ModelOptFormat(DrafterFormat):
     """NVIDIA ModelOpt HF export: nested `eagle_config`, `layers.N.*` names, no `t2d`."""
 
     name = "modelopt"
+    stores_t2d = False  # ModelOpt exports carry no t2d
     known = LLAMA_KEYS | {"eagle_config", "draft_vocab_size", "target_hidden_size", "fc_norm", "norm_output",
                           "num_aux_hidden_states", "norm_before_residual"}
     eagle_known = {"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "use_input_layernorm_in_first_layer",
@@ -317,8 +352,120 @@ class ModelOptFormat(DrafterFormat):
         return out
 
 
+class TrtllmFormat(DrafterFormat):
+    """The drafter layout TensorRT-LLM's PyTorch backend reads for Eagle3 (`_torch/models/modeling_speculative.py`).
+
+    - detection (TensorRT-LLM's): any config with `draft_vocab_size`; the architecture becomes
+      "EAGLE3" + the name with "Eagle3" stripped, so `LlamaForCausalLMEagle3` resolves to the
+      registered `EAGLE3LlamaForCausalLM`, which switches to MLA attention by itself when the config
+      has `kv_lora_rank` (`model_type` deepseek_v3: DeepseekV3Config carries the MLA ranks). An
+      "Eagle3DeepseekV3..." name would resolve to a class the releases read here do not register;
+    - `fc_norm` at the top level, `eagle_config.norm_before_fc` (`input_norm`), post-norm feedback
+      from `eagle_config.return_hidden_post_norm` (older releases) or top-level `norm_output`
+      (newest): BOTH are written so no release runs an EAGLE 3.1 drafter with pre-norm feedback;
+    - `target_hidden_size` read with hasattr(): always written as a number, never null;
+    - tapped layers in `eagle_config.eagle_aux_hidden_state_layer_ids`, output-of-layer numbering
+      (as `eagle3_layers_to_capture`);
+    - weights `midlayer.*` (one layer) or `midlayer.N.*`; later layers are "regular" and normalise
+      their input with `hidden_norm` (canonical `layers.N.input_layernorm`); `d2t` exists only when
+      draft_vocab_size != vocab_size and is int32; `t2d` is not read; `lm_head` present means the
+      drafter's own, absent means the target's.
+
+    What TensorRT-LLM would run differently from the reference is not a layout question: see
+    `export.trtllm_drafter.trtllm_problems`.
+    """
+
+    name = "trtllm"
+    layer_prefix = "midlayer."
+    architecture = "LlamaForCausalLMEagle3"
+    stores_t2d = False
+    d2t_dtype = torch.int32
+    stores_full_vocab_d2t = False
+    known = LLAMA_KEYS | {"eagle_config", "draft_vocab_size", "target_hidden_size", "fc_norm", "norm_output",
+                          "num_aux_hidden_states", "norm_before_residual", "bias"}
+    eagle_known = ModelOptFormat.eagle_known
+    # eagle_config keys that only the TensorRT-LLM layout writes next to `midlayer.*` tensors
+    # (a SpecForge eagle_config carries just the tapped ids).
+    markers = eagle_known - {"eagle_aux_hidden_state_layer_ids"}
+
+    @staticmethod
+    def _split(name: str, num_layers: int) -> tuple[int, str]:
+        rest = name[len("midlayer."):]
+        if num_layers == 1:
+            return 0, rest
+        head, rest = rest.split(".", 1)
+        return int(head), rest
+
+    def to_canonical(self, name, cfg):
+        if not name.startswith(self.layer_prefix):
+            return name
+        layer, rest = self._split(name, cfg.num_layers)
+        if layer > 0 and rest == "hidden_norm.weight":
+            rest = "input_layernorm.weight"
+        return f"layers.{layer}.{rest}"
+
+    def from_canonical(self, name, cfg):
+        if not name.startswith("layers."):
+            return name
+        head, rest = name[len("layers."):].split(".", 1)
+        layer = int(head)
+        if layer > 0 and rest == "input_layernorm.weight":
+            rest = "hidden_norm.weight"  # TensorRT-LLM's regular layers normalise with hidden_norm
+        return f"midlayer.{rest}" if cfg.num_layers == 1 else f"midlayer.{layer}.{rest}"
+
+    def read_config(self, c):
+        e = c.get("eagle_config") or {}
+        if e.get("use_aux_hidden_state") is False:
+            raise CheckpointError("eagle_config.use_aux_hidden_state is false: an EAGLE-1/2 drafter, not EAGLE-3")
+        ids = _ids(e.get("eagle_aux_hidden_state_layer_ids"))
+        flat = dict(c)
+        if flat.get("target_hidden_size") == flat.get("hidden_size"):
+            flat["target_hidden_size"] = None  # always written; equal means "the drafter's own"
+        cfg = _flat_config(flat, ids, fc_norm=_flag(c, "fc_norm"),
+                           norm_output=_flag(c, "norm_output") or _flag(e, "return_hidden_post_norm"),
+                           norm_before_fc=_flag(e, "norm_before_fc"))
+        unknown = _unknown(c, self.known) + [f"eagle_config.{k}" for k in _unknown(e, self.eagle_known)]
+        return cfg, unknown
+
+    def write_config(self, cfg):
+        e: dict[str, Any] = {}
+        if cfg.aux_layer_ids is not None:
+            e["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)  # output-of-layer
+        e.update({"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
+                  "use_last_layernorm": True, "next_layer_regular": True, "eh_proj_before_attn": False,
+                  "norm_before_fc": cfg.norm_before_fc, "return_hidden_post_norm": cfg.norm_output})
+        out = {
+            "architectures": [self.architecture],
+            "model_type": "deepseek_v3" if cfg.attention == "mla" else "llama",
+            **llama_keys(cfg),
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.effective_target_hidden_size,
+            "fc_norm": cfg.fc_norm,
+            "norm_output": cfg.norm_output,
+            "bias": False,
+            "num_aux_hidden_states": cfg.num_aux_hidden_states,
+        }
+        if cfg.norm_before_residual:  # held for a lossless round trip; TensorRT-LLM does not implement it
+            out["norm_before_residual"] = True
+        out["eagle_config"] = e
+        return out
+
+
 FORMATS: dict[str, DrafterFormat] = {f.name: f for f in (EagleFormat(), SpecForgeFormat(), SpeculatorsFormat(),
-                                                          ModelOptFormat())}
+                                                          ModelOptFormat(), TrtllmFormat())}
+
+# Architectures only EAGLE-3 drafters declare (SpecForge / ModelOpt / TensorRT-LLM; vLLM's MLA drafter).
+DRAFTER_ARCHITECTURES = {"LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"}
+
+
+def looks_like_drafter(c: dict[str, Any]) -> bool:
+    """Whether a config.json is an EAGLE-3 drafter's (in any format here) rather than a target's.
+
+    The markers `detect_format` then tells the formats apart by.
+    """
+    archs = set(c.get("architectures") or [])
+    return bool(c.get("speculators_model_type") or "draft_vocab_size" in c or archs & DRAFTER_ARCHITECTURES
+                or "eagle_config" in c)
 
 
 def detect_format(c: dict[str, Any], tensor_names: list[str]) -> DrafterFormat:
@@ -326,21 +473,54 @@ def detect_format(c: dict[str, Any], tensor_names: list[str]) -> DrafterFormat:
     archs = set(c.get("architectures") or [])
     midlayer = any(n.startswith("midlayer.") for n in tensor_names)
     layers = any(n.startswith("layers.") for n in tensor_names)
-    if c.get("speculators_model_type"):
-        if c["speculators_model_type"] != "eagle3":
-            raise CheckpointError(f"speculators model type {c['speculators_model_type']!r} is not EAGLE-3")
-        return FORMATS["speculators"]
-    if layers and not midlayer and (archs & {"LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"}
-                                    or "eagle_config" in c):
-        return FORMATS["modelopt"]
-    if midlayer and "LlamaForCausalLMEagle3" in archs:
-        return FORMATS["specforge"]
-    if midlayer and "draft_vocab_size" in c:
-        return FORMATS["eagle"]
+    eagle_config = c.get("eagle_config") if isinstance(c.get("eagle_config"), dict) else {}
+    if looks_like_drafter(c):
+        if c.get("speculators_model_type"):
+            if c["speculators_model_type"] != "eagle3":
+                raise CheckpointError(f"speculators model type {c['speculators_model_type']!r} is not EAGLE-3")
+            return FORMATS["speculators"]
+        if layers and not midlayer and (archs & DRAFTER_ARCHITECTURES or "eagle_config" in c):
+            return FORMATS["modelopt"]
+        if midlayer and TrtllmFormat.markers & set(eagle_config):
+            return FORMATS["trtllm"]
+        if midlayer and "LlamaForCausalLMEagle3" in archs:
+            return FORMATS["specforge"]
+        if midlayer and "draft_vocab_size" in c:
+            return FORMATS["eagle"]
     raise CheckpointError(
         "cannot tell the drafter format: expected an EAGLE-3 config (draft_vocab_size with midlayer.* tensors, "
-        "LlamaForCausalLMEagle3, speculators_model_type eagle3, or a ModelOpt eagle_config); is this a drafter?"
+        "LlamaForCausalLMEagle3, speculators_model_type eagle3, a ModelOpt eagle_config, or a TensorRT-LLM "
+        "eagle_config with midlayer.* tensors); is this a drafter?"
     )
+
+
+# ---- which layout each serving runtime reads ------------------------------------------------
+
+# vLLM and SGLang name DeepSeek-style (MLA) Eagle3 drafters with this architecture.
+MLA_ARCHITECTURE_PATCH: dict[str, Any] = {"architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                                          "model_type": "deepseek_v3"}
+CONSUMERS = ("vllm", "sglang", "trtllm")
+
+
+def consumer_layout(consumer: str, cfg: DrafterConfig) -> tuple[str, dict[str, Any] | None]:
+    """(format name, top-level config keys to override) for the drafter a serving runtime reads.
+
+    - vLLM: the original EAGLE layout (`midlayer.*`, top-level `fc_norm` / `norm_output` that its
+      llama_eagle3 reads); drafters it cannot hold (several layers, norm_before_fc) go in the
+      speculators layout;
+    - SGLang: the SpecForge layout;
+    - TensorRT-LLM: its own layout (architecture and MLA model_type already in it).
+    vLLM and SGLang get `MLA_ARCHITECTURE_PATCH` for MLA drafters.
+    """
+    mla_patch = dict(MLA_ARCHITECTURE_PATCH) if cfg.attention == "mla" else None
+    if consumer == "vllm":
+        eagle = FORMATS[EagleFormat.name]
+        return (eagle.name if eagle.holds(cfg) else SpeculatorsFormat.name), mla_patch
+    if consumer == "sglang":
+        return SpecForgeFormat.name, mla_patch
+    if consumer == "trtllm":
+        return TrtllmFormat.name, None
+    raise CheckpointError(f"unknown serving runtime {consumer!r}; choose one of {list(CONSUMERS)}")
 
 
 def _unknown(c: dict[str, Any], known: set[str]) -> list[str]:

@@ -15,14 +15,19 @@ from eagle31_export.errors import UserError
 from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
 from eagle31_export.formats.nvfp4_scheme import FORMATS, Format, QuantScheme, pattern_matches, write_declarations
 from eagle31_export.formats.nvfp4_writer import (
-    DEFAULT_MAX_SHARD_BYTES, LinearWriter, ShardedWriter, check_distinct, copy_side_files, tensor_progress,
+    DEFAULT_MAX_SHARD_BYTES, LinearWriter, ProgressCallback, ShardedWriter, check_distinct, copy_side_files,
+    tensor_steps,
 )
 from eagle31_export.formats.safetensors_io import atomic_output_dir
 
 
 def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, to_format: Format, force: bool = False,
-                       progress: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Write the NVFP4 checkpoint `src` to `out` in `to_format`; returns `out`."""
+                       progress: ProgressCallback | None = None,
+                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write the NVFP4 checkpoint `src` to `out` in `to_format`; returns `out`.
+
+    `progress(done, total, description)` is told about every tensor written (see ProgressCallback).
+    """
     if to_format not in FORMATS:
         raise UserError(f"unknown NVFP4 format {to_format!r}; use one of {', '.join(FORMATS)}")
     check_distinct(Path(src), Path(out))
@@ -31,7 +36,8 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, to_format
         raise UserError(f"{src} is already a {to_format} NVFP4 checkpoint; nothing to convert")
     scheme = _target_scheme(ckpt, to_format)
     total = len(ckpt.headers)
-    with atomic_output_dir(out, force=force) as tmp, tensor_progress(progress, total, f"convert to {to_format}") as step:
+    step = tensor_steps(progress, total, f"convert to {to_format}")
+    with atomic_output_dir(out, force=force) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
         linears = LinearWriter(writer, scheme)
         for name, tensor in ckpt.iter_other_tensors():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +25,11 @@ from eagle31_export.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, write
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 # Files of a source checkpoint that a writer produces itself rather than copies.
 _NOT_COPIED = {INDEX_NAME, "config.json", HF_QUANT_CONFIG, "manifest.json"}
+
+# `progress(done, total, description)`: `done` of `total` tensors written so far, and what is
+# being done ("quantize: model.layers.0.mlp.up_proj.weight"). The library only reports; a UI
+# (the CLI's `quantize`) draws it.
+ProgressCallback = Callable[[int, int, str], None]
 
 
 class ShardedWriter:
@@ -136,28 +142,20 @@ def copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(p, dst / p.name)
 
 
-class tensor_progress:
-    """A rich progress bar over tensors; a no-op when disabled."""
+def tensor_steps(progress: ProgressCallback | None, total: int, title: str) -> Callable[..., None]:
+    """`step(name, n=1)`: counts `n` more of `total` tensors handled and reports it to `progress`.
 
-    def __init__(self, enabled: bool, total: int, title: str):
-        self.enabled, self.total, self.title = enabled, total, title
+    `progress` (None: nothing is reported) is called once with (0, total, title) at the start,
+    then with (done, total, "<title>: <name>") after each step.
+    """
+    if progress is None:
+        return lambda *_: None
+    done = 0
+    progress(0, total, title)
 
-    def __enter__(self):
-        if not self.enabled:
-            return lambda *_: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    def step(name: str, n: int = 1) -> None:
+        nonlocal done
+        done += n
+        progress(done, total, f"{title}: {name}")
 
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"), transient=False)
-        self.bar.__enter__()
-        task = self.bar.add_task(self.title, total=self.total, tensor="")
-
-        def step(name: str, n: int = 1) -> None:
-            self.bar.update(task, advance=n, tensor=name)
-
-        return step
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.bar.__exit__(*exc)
-        return False
+    return step

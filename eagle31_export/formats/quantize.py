@@ -27,7 +27,8 @@ from eagle31_export.formats.nvfp4_scheme import (
     FORMATS, FUSED_GROUPS, Format, QuantScheme, detect_scheme, is_excluded, unmatched_patterns, write_declarations,
 )
 from eagle31_export.formats.nvfp4_writer import (
-    DEFAULT_MAX_SHARD_BYTES, LinearWriter, ShardedWriter, check_distinct, copy_side_files, tensor_progress,
+    DEFAULT_MAX_SHARD_BYTES, LinearWriter, ProgressCallback, ShardedWriter, check_distinct, copy_side_files,
+    tensor_steps,
 )
 from eagle31_export.formats.safetensors_io import SafetensorsDir, atomic_output_dir, read_json
 
@@ -51,11 +52,13 @@ class QuantizeResult:
 
 def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, fmt: Format = "modelopt",
                         exclude: tuple[str, ...] | list[str] = (), prompts: list[list[int]] | None = None,
-                        force: bool = False, progress: bool = False,
+                        force: bool = False, progress: ProgressCallback | None = None,
                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> QuantizeResult:
     """Quantize `model_dir` to NVFP4 in `fmt` at `out` (written atomically).
 
     An NVFP4 `model_dir` is converted to `fmt` instead (lossless); it cannot be re-quantized.
+    `progress(done, total, description)` is told about every tensor written (see ProgressCallback);
+    calibration, before the first tensor, is not reported.
     """
     if fmt not in FORMATS:
         raise UserError(f"unknown NVFP4 format {fmt!r}; use one of {', '.join(FORMATS)}")
@@ -74,7 +77,8 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, fm
     source = SafetensorsDir(model_dir)
     plan = _plan(model_dir, config, source, list(exclude), prompts)
     scheme = QuantScheme(fmt, tuple(plan.excluded))
-    with atomic_output_dir(out, force=force) as tmp, tensor_progress(progress, len(source), "quantize") as step:
+    step = tensor_steps(progress, len(source), "quantize")
+    with atomic_output_dir(out, force=force) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
         linears = LinearWriter(writer, scheme)
         done: set[str] = set()
