@@ -1,17 +1,39 @@
-"""Small helpers shared by the commands: JSON output, dtype parsing."""
+"""Small helpers shared by the commands: JSON output, dtype parsing, and the option
+declarations several commands share (one definition each, reused as `typing.Annotated` aliases).
+
+Use an alias as a parameter's annotation and give the default in the signature, e.g.
+`tp: TpOpt = 1` or, for a required option, `drafter: DrafterOpt`.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any, Optional
 
 import torch
+import typer
 
 from eagle31_export.errors import UserError
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp64": torch.float64, "float64": torch.float64}
+
+# --- options of `export trtllm|vllm|sglang` (drafter and --force also `export onnx`, --force `export engine`) ---
+DrafterOpt = Annotated[Path, typer.Option("--drafter", help="Drafter checkpoint folder (any supported format).")]
+TargetOpt = Annotated[Path, typer.Option("--target", help="Target checkpoint folder (validated, referenced by path).")]
+BundleOutOpt = Annotated[Path, typer.Option("--out", help="Bundle folder to write.")]
+TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")]
+PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel size.")]
+CopyTargetOpt = Annotated[bool, typer.Option("--copy-target", help="Copy the target into the bundle.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing --out.")]
+
+# --- options the run-time commands (speculate, parity) declare identically; for their later use ---
+UrlOpt = Annotated[Optional[str], typer.Option("--url", help="Triton server HTTP HOST:PORT for --runtime triton.")]
+MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1)]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", min=0.0)]
+SeedOpt = Annotated[int, typer.Option("--seed")]
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from eagle31_export.cli.common import ForceOpt
+
 
 def register(export_app: typer.Typer) -> None:
     export_app.command("engine")(engine)
@@ -20,7 +22,7 @@ def engine(
     bf16: bool = typer.Option(False, "--bf16", help="Allow BF16 kernels."),
     fp8: bool = typer.Option(False, "--fp8", help="Allow FP8 kernels (Hopper and newer)."),
     max_tokens: int = typer.Option(2048, "--max-tokens", help="Upper bound for every dynamic dimension."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
+    force: ForceOpt = False,
 ) -> None:
     """Build one TensorRT engine per ONNX graph, with the plugin library registered."""
     from eagle31_export.errors import UserError

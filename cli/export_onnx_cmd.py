@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from eagle31_export.cli.common import parse_dtype
+from eagle31_export.cli.common import DrafterOpt, ForceOpt, parse_dtype
 from eagle31_export.errors import MissingRuntimeError
 
 
@@ -17,7 +17,7 @@ def register(export_app: typer.Typer) -> None:
 
 
 def onnx_cmd(
-    drafter: Path = typer.Option(..., "--drafter", help="Drafter checkpoint folder (any supported format)."),
+    drafter: DrafterOpt,
     target: Optional[Path] = typer.Option(None, "--target", help="Target checkpoint folder: also exports target.onnx "
                                                                  "(and supplies the drafter's embeddings / lm_head)."),
     out: Path = typer.Option(..., "--out", help="Folder to write."),
@@ -28,7 +28,7 @@ def onnx_cmd(
     dtype: str = typer.Option("fp32", "--dtype", help="Compute dtype of the graphs: fp32, fp16 or bf16."),
     max_positions: Optional[int] = typer.Option(None, "--max-positions", min=1,
                                                 help="Rows of the rope tables (default: max_position_embeddings)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
+    force: ForceOpt = False,
 ) -> None:
     """ONNX graphs of one drafter step (first / next), optionally the whole chain and the target."""
     try:

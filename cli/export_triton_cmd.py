@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from eagle31_export.runtime.registry import DEFAULT_SERVING_RUNTIME, RUNTIMES
+
 
 def register(export_app: typer.Typer) -> None:
     export_app.command("triton")(triton)
@@ -15,9 +17,9 @@ def triton(
     bundle: Path = typer.Option(..., "--bundle", help="Folder written by `export trtllm|vllm|sglang`."),
     out: Path = typer.Option(..., "--out", help="Model repository folder to write."),
     flavor: str = typer.Option(..., "--flavor", help="trtllm (TensorRT-LLM LLM API) or cpu (speculation loop)."),
-    runtime: str = typer.Option("onnxruntime", "--runtime",
-                                help="cpu flavour: the runtime the repository runs (onnxruntime: the exported "
-                                     "graphs; reference: PyTorch)."),
+    runtime: str = typer.Option(DEFAULT_SERVING_RUNTIME, "--runtime",
+                                help="cpu flavour: the runtime the repository runs (" +
+                                     "; ".join(f"{n}: {r.help}" for n, r in RUNTIMES.items() if r.servable) + ")."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
 ) -> None:
     """Triton repository: TensorRT-LLM's LLM-API model (trtllm) or python-backend speculation (cpu)."""

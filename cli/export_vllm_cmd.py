@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Annotated
 
 import typer
+
+from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, TargetOpt, TpOpt
 
 
 def register(export_app: typer.Typer) -> None:
@@ -12,14 +14,14 @@ def register(export_app: typer.Typer) -> None:
 
 
 def vllm(
-    drafter: Path = typer.Option(..., "--drafter", help="Drafter checkpoint folder (any supported format)."),
-    target: Path = typer.Option(..., "--target", help="Target checkpoint folder (validated, referenced by path)."),
-    out: Path = typer.Option(..., "--out", help="Bundle folder to write."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size."),
-    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size."),
-    k: int = typer.Option(3, "--num-speculative-tokens", help="Draft tokens per verification."),
-    copy_target: bool = typer.Option(False, "--copy-target", help="Copy the target into the bundle."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
+    drafter: DrafterOpt,
+    target: TargetOpt,
+    out: BundleOutOpt,
+    tp: TpOpt = 1,
+    pp: PpOpt = 1,
+    k: Annotated[int, typer.Option("--num-speculative-tokens", help="Draft tokens per verification.")] = 3,
+    copy_target: CopyTargetOpt = False,
+    force: ForceOpt = False,
 ) -> None:
     """Drafter for vLLM's eagle3 method (before-layer tap numbering) + README with `vllm serve`."""
     from eagle31_export.export.vllm import export_vllm

@@ -10,6 +10,16 @@ import traceback
 
 import typer
 
+from eagle31_export.cli import (
+    demo_cmd,
+    export_cmd,
+    inspect_cmd,
+    parity_cmd,
+    plugins_cmd,
+    quantize_cmd,
+    serve_cmd,
+    speculate_cmd,
+)
 from eagle31_export.errors import UserError
 
 app = typer.Typer(
@@ -29,19 +39,15 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
 
 
 def _register() -> None:
-    from eagle31_export.cli import inspect_cmd, speculate_cmd, demo_cmd
-
+    """Every command, explicitly and in help order: a missing module fails the import loudly."""
     inspect_cmd.register(app)
     speculate_cmd.register(app)
     demo_cmd.register(app)
-    for optional in ("quantize_cmd", "plugins_cmd", "export_cmd", "serve_cmd", "parity_cmd"):
-        try:
-            module = __import__(f"eagle31_export.cli.{optional}", fromlist=["register"])
-        except ModuleNotFoundError as err:
-            if err.name != f"eagle31_export.cli.{optional}":
-                raise
-            continue
-        module.register(app)
+    quantize_cmd.register(app)
+    plugins_cmd.register(app)
+    export_cmd.register(app)
+    serve_cmd.register(app)
+    parity_cmd.register(app)
 
 
 _register()
@@ -60,13 +66,13 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         print("aborted", file=sys.stderr)
         sys.exit(130)
-    except Exception as err:  # click usage errors
+    except Exception as err:  # usage errors: click's, or those of the click that newer typers vendor (typer._click)
         import click
 
-        if isinstance(err, click.exceptions.ClickException):
+        if isinstance(err, (click.exceptions.ClickException, typer.exceptions.TyperException)) and hasattr(err, "show"):
             err.show()
             sys.exit(2)
-        if isinstance(err, click.exceptions.Exit):
+        if isinstance(err, (click.exceptions.Exit, typer.Exit)):
             sys.exit(err.exit_code)
         raise
 

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 from eagle31_export.cli.common import print_json
+from eagle31_export.cli.speculate_cmd import RUNTIME_HELP
+from eagle31_export.runtime.registry import DEFAULT_SERVING_RUNTIME
 
 
 def register(app: typer.Typer) -> None:
@@ -20,7 +22,7 @@ def parity(
     bundle: Optional[Path] = typer.Argument(None, help="Exported artifacts to check (e.g. an `export onnx` folder)."),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="Reference drafter checkpoint."),
     target: Optional[Path] = typer.Option(None, "--target", help="Reference target checkpoint."),
-    runtime: str = typer.Option("onnxruntime", "--runtime", help="onnxruntime, reference or triton."),
+    runtime: str = typer.Option(DEFAULT_SERVING_RUNTIME, "--runtime", help=RUNTIME_HELP),
     url: Optional[str] = typer.Option(None, "--url", help="Triton server HTTP HOST:PORT for --runtime triton."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL: {\"prompt_ids\": [...]} or {\"text\": ...}."),
     depth: int = typer.Option(3, "--depth", min=1),

@@ -10,6 +10,9 @@ from rich.console import Console
 
 from eagle31_export.cli.common import parse_dtype, print_json
 from eagle31_export.errors import UserError
+from eagle31_export.runtime.registry import RUNTIMES
+
+RUNTIME_HELP = "; ".join(f"{name}: {r.help}" for name, r in RUNTIMES.items())
 
 
 def register(app: typer.Typer) -> None:
@@ -39,7 +42,7 @@ def speculate(
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
     act_quant: bool = typer.Option(False, "--act-quant/--no-act-quant", help="NVFP4 targets: emulate W4A4."),
     as_json: bool = typer.Option(False, "--json"),
-    runtime: str = typer.Option("reference", "--runtime", help="reference (PyTorch), onnxruntime or triton (--url)."),
+    runtime: str = typer.Option("reference", "--runtime", help=RUNTIME_HELP),
     url: Optional[str] = typer.Option(None, "--url", help="Triton server HTTP HOST:PORT for --runtime triton."),
     onnx_dir: Optional[Path] = typer.Option(None, "--onnx", help="Folder written by `export onnx` (--runtime onnxruntime)."),
     chain: bool = typer.Option(False, "--chain/--no-chain", help="onnxruntime: draft with the exported chain graph "

@@ -1,0 +1,59 @@
+"""Layers point one way (the import-linter contract in pyproject.toml), the library draws no UI,
+and nothing in the library imports the CLI above it."""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = Path(sys.executable).with_name("lint-imports")
+pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (pip install -e '.[test]')")
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    """The contract, run over the package found under `root` (a checkout or a copy of one)."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(LINT), "--config", str(root / "pyproject.toml"), "--no-cache"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_layer_contract_holds():
+    result = lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 kept, 0 broken" in result.stdout
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path):
+    """A lower layer importing a higher one (formats -> parity) in a copy of the package is caught."""
+    shutil.copytree(ROOT / "eagle31_export", tmp_path / "eagle31_export",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / "eagle31_export" / "formats" / "target.py"
+    target.write_text(target.read_text() + "\n\ndef _upward():\n    from eagle31_export.parity import compare\n")
+    result = lint(tmp_path)
+    assert result.returncode == 1, result.stdout
+    assert "eagle31_export.formats is not allowed to import eagle31_export.parity" in result.stdout
+    assert "eagle31_export.formats.target -> eagle31_export.parity.compare" in result.stdout
+
+
+def _imported_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("forbidden", ["eagle31_export.cli", "rich"])
+def test_the_library_imports_neither_the_cli_nor_a_ui(forbidden):
+    """UI (rich tables, progress bars) is drawn in cli/ only; the library reports through callbacks."""
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "eagle31_export").rglob("*.py")
+                 if any(n == forbidden or n.startswith(forbidden + ".") for n in _imported_names(p))]
+    assert offenders == []
