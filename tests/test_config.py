@@ -26,7 +26,7 @@ def test_eagle_version_follows_the_two_flags():
 
 
 def test_default_taps_name_the_same_tensors_in_both_numberings():
-    # FACTS.md: for N=32 vLLM's (2, 16, 29) before-layer == outputs of layers (1, 15, 28).
+    # docs/tapped-layers.md#defaults: for N=32 vLLM's (2, 16, 29) before-layer == outputs of layers (1, 15, 28).
     assert default_aux_layer_ids(32) == (1, 15, 28)
     assert output_to_before_layer(default_aux_layer_ids(32)) == (2, 16, 29)
     assert before_layer_to_output((2, 16, 29)) == (1, 15, 28)

@@ -1,5 +1,5 @@
 """`export trtllm`: the drafter layout and LLM-API YAML TensorRT-LLM's PyTorch backend reads
-(FACTS.md section 6), checked field by field; the bundle drafter runs exactly like the source;
+(docs/runtimes.md#tensorrt-llm), checked field by field; the bundle drafter runs exactly like the source;
 bad input is refused in one line with nothing written."""
 
 import json

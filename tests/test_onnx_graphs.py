@@ -1,4 +1,5 @@
-"""ONNX drafter graphs: valid models, plugin nodes as FACTS.md section 6 describes them, local
+"""ONNX drafter graphs: valid models, plugin nodes as
+docs/runtimes.md#tensorrt-onnx-parser-plugin-or-local-function describes them, local
 functions that ARE what ONNX Runtime runs, and step-by-step parity with the reference drafter."""
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def test_every_graph_passes_the_full_checker(export_dir):
 
 
 def test_plugin_nodes_follow_the_tensorrt_parser_rules(export_dir):
-    """FACTS.md section 6: op_type == plugin name, string attributes plugin_namespace and
+    """docs/runtimes.md#tensorrt-onnx-parser-plugin-or-local-function:
+    op_type == plugin name, string attributes plugin_namespace and
     plugin_version, and a model-local function of the same domain and name as the fallback."""
     seen = set()
     for path in graphs(export_dir):

@@ -14,7 +14,7 @@ from eagle31_export.formats.drafter import read_drafter, write_drafter
 from eagle31_export.formats.drafter_formats import FORMATS
 from eagle31_export.reference.target import ReferenceTarget
 
-# How each format numbers taps, from the projects' own code (FACTS.md section 1).
+# How each format numbers taps, from the projects' own code (docs/tapped-layers.md#per-format-numbering).
 BEFORE_LAYER = {"eagle", "speculators"}
 
 

@@ -1,7 +1,8 @@
 """The two EAGLE 3.1 plugin nodes and their model-local function fallbacks.
 
 Each fused op appears in a graph as ONE node in the custom domain `eagle31`, carrying the string
-attributes `plugin_namespace` / `plugin_version` (FACTS.md section 6). The same model holds a
+attributes `plugin_namespace` / `plugin_version`
+(docs/runtimes.md#tensorrt-onnx-parser-plugin-or-local-function). The same model holds a
 FunctionProto of the same domain and name built from standard ops, so:
 
 - TensorRT's ONNX parser maps the node to the registered IPluginV3 plugin whose name equals the

@@ -4,7 +4,7 @@ Each format converts ITS conventions (nesting, tapped-layer numbering, tensor pr
 and from the canonical `DrafterConfig` and canonical tensor names (the parameter names of
 `reference.drafter.Eagle3Drafter`). Nothing outside this module knows a format's keys.
 
-Tapped-layer numbering per format (FACTS.md section 1):
+Tapped-layer numbering per format (docs/tapped-layers.md#per-format-numbering):
 - eagle (original EAGLE) and speculators: "before layer i" (vLLM's numbering), top-level
   `eagle_aux_hidden_state_layer_ids`.
 - specforge / TorchSpec, modelopt and trtllm (TensorRT-LLM's own drafter layout): "output of
@@ -332,7 +332,7 @@ class ModelOptFormat(DrafterFormat):
         ids = _ids(e.get("eagle_aux_hidden_state_layer_ids"))
         if e.get("use_aux_hidden_state") is False:
             raise CheckpointError("eagle_config.use_aux_hidden_state is false: an EAGLE-1/2 drafter, not EAGLE-3")
-        # TensorRT-LLM reads the feedback flag as eagle_config.return_hidden_post_norm (FACTS.md 6)
+        # TensorRT-LLM reads the feedback flag as eagle_config.return_hidden_post_norm (docs/runtimes.md#eagle-31-across-tensorrt-llm-versions)
         cfg = _flat_config(c, ids, fc_norm=_flag(c, "fc_norm"),
                            norm_output=_flag(c, "norm_output") or _flag(e, "return_hidden_post_norm"),
                            norm_before_fc=_flag(e, "norm_before_fc"))

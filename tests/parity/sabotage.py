@@ -1,4 +1,8 @@
-"""The export bugs users hit in practice (FACTS.md sections 1, 2 and 5), applied on purpose."""
+"""The export bugs users hit in practice, applied on purpose.
+
+See docs/tapped-layers.md#known-off-by-one-bugs, docs/eagle31.md#known-framework-bugs and
+docs/nvfp4.md#compressed-tensors-layout.
+"""
 
 from eagle31_export.formats.drafter import DrafterCheckpoint
 
