@@ -29,6 +29,8 @@ def parity(
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0),
     seed: int = typer.Option(0, "--seed"),
+    mode: Optional[str] = typer.Option(None, "--mode", help="replay (greedy default: one reference target forward "
+                                                            "per prompt) or autoregressive (sampling's mode)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write report.json, report.md and plots here."),
     as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
 ) -> None:
@@ -43,7 +45,7 @@ def parity(
             return lambda _: bar.advance(task)
 
         report = check_parity(runtime, bundle, drafter, target, url, prompts, depth, max_new_tokens, temperature, seed,
-                              progress)
+                              progress, mode)
     if out is not None:
         write_report(report, out)
     if as_json:

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from eagle31_export.errors import UserError
 from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
 from eagle31_export.runtime.registry import Speculator
 
@@ -45,6 +46,7 @@ class PromptRow:
     per_position_runtime: list[float]
     rounds_reference: int
     rounds_runtime: int
+    target_forwards_reference: int = 0  # replay: 1; autoregressive: the prefill and one per round
     symptom: str | None = None
 
 
@@ -55,6 +57,7 @@ class ParityReport:
     temperature: float
     exact: bool
     thresholds: Thresholds
+    mode: str = "autoregressive"
     rows: list[PromptRow] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -67,7 +70,7 @@ class ParityReport:
         return sum(values) / max(len(values), 1)
 
     def to_json(self) -> dict:
-        return {"passed": self.passed, "runtime": self.runtime, "depth": self.depth,
+        return {"passed": self.passed, "runtime": self.runtime, "mode": self.mode, "depth": self.depth,
                 "temperature": self.temperature, "exact_comparison": self.exact,
                 "thresholds": asdict(self.thresholds), "tau_reference": self.tau("reference"),
                 "tau_runtime": self.tau("runtime"), "failures": self.failures,
@@ -122,20 +125,36 @@ def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResu
     )
 
 
+MODES = ("replay", "autoregressive")
+
+
 def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[int]], depth: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, exact: bool | None = None,
-               thresholds: Thresholds = Thresholds(), on_prompt: Callable[[int], None] | None = None) -> ParityReport:
+               thresholds: Thresholds = Thresholds(), on_prompt: Callable[[int], None] | None = None,
+               mode: str | None = None) -> ParityReport:
+    """`mode` "replay" (greedy only; the default there): the reference drafter is replayed at the
+    runtime's round boundaries with one target forward per prompt; "autoregressive": the reference
+    runs its own loop (the only mode for sampling)."""
+    mode = mode or ("replay" if temperature == 0 and hasattr(reference, "replay") else "autoregressive")
+    if mode not in MODES:
+        raise UserError(f"unknown parity mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "replay" and (temperature != 0 or not hasattr(reference, "replay")):
+        raise UserError("replay parity compares greedy runs of a reference pair; use --mode autoregressive")
     exact = runtime.exact if exact is None else exact
-    report = ParityReport(runtime.name, depth, temperature, exact, thresholds)
+    report = ParityReport(runtime.name, depth, temperature, exact, thresholds, mode)
     for i, prompt in enumerate(prompts):
-        runs = []
-        for side in (reference, runtime):
-            logits = FirstDraftLogits()
-            runs.append((side.run(prompt, max_new_tokens, depth, temperature, seed + i, observer=logits), logits))
-        (ref, ref_logits), (run, run_logits) = runs
+        run_logits, ref_logits = FirstDraftLogits(), FirstDraftLogits()
+        run = runtime.run(prompt, max_new_tokens, depth, temperature, seed + i, observer=run_logits)
+        if mode == "replay":
+            ref, forwards = reference.replay(prompt, run, observer=ref_logits), 1
+        else:
+            ref = reference.run(prompt, max_new_tokens, depth, temperature, seed + i, observer=ref_logits)
+            forwards = 1 + len(ref.accepted_per_step)
         atol = thresholds.logits_atol if exact else thresholds.half_precision_logits_atol
         diff = _max_abs_diff(ref_logits.logits, run_logits.logits)
-        report.rows.append(compare_prompt(i, prompt, ref, run, diff, atol))
+        row = compare_prompt(i, prompt, ref, run, diff, atol)
+        row.target_forwards_reference = forwards
+        report.rows.append(row)
         if on_prompt:
             on_prompt(i)
     report.failures = _failures(report)

@@ -27,6 +27,9 @@ def markdown(report: ParityReport) -> str:
         f"runtime `{report.runtime}` vs PyTorch reference, depth {report.depth}, "
         f"temperature {report.temperature}, {len(report.rows)} prompts",
         "",
+        f"mode: {report.mode} (reference target forwards: "
+        f"{sum(r.target_forwards_reference for r in report.rows)} for {len(report.rows)} prompts)",
+        "",
         "| | reference | runtime |",
         "|---|---|---|",
         f"| mean tau | {report.tau('reference'):.3f} | {report.tau('runtime'):.3f} |",

@@ -41,7 +41,7 @@ def default_prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list
 
 def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target: Path | None, url: str | None,
                  prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                 progress=None) -> ParityReport:
+                 progress=None, mode: str | None = None) -> ParityReport:
     """The whole parity check: both sides from the registry, the prompts, the comparison.
     `progress(total)` returns a per-prompt callback (the CLI draws it)."""
     runtime_named(runtime)  # an unknown name fails before anything loads
@@ -60,4 +60,4 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
         other = load_speculator(runtime, PairSource.of(drafter, target, bundle, url), options, workdir)
         on_prompt = progress(len(prompts)) if progress else None
         return run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
-                          on_prompt=on_prompt)
+                          on_prompt=on_prompt, mode=mode)

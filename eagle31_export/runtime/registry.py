@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from eagle31_export.errors import UserError
+from eagle31_export.reference.replay import replay_greedy
 from eagle31_export.reference.speculate import DrafterBackend, LoopObserver, SpecResult, TargetBackend, speculate
 
 
@@ -64,6 +65,10 @@ class LoopSpeculator(Speculator):
     def run(self, prompt_ids, max_new_tokens, depth, temperature=0.0, seed=0, stop_ids=(), observer=None):
         return speculate(self.target, self.drafter, list(prompt_ids), max_new_tokens, depth, temperature, seed,
                          tuple(stop_ids), observer)
+
+    def replay(self, prompt_ids: list[int], run: SpecResult, observer: LoopObserver | None = None) -> SpecResult:
+        """This pair's drafts at another greedy run's round boundaries, with one target forward."""
+        return replay_greedy(self.target, self.drafter, list(prompt_ids), run, observer)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ def test_broken_drafter_export_is_caught(cli, tmp_path, prompts_file, bug, sympt
     code, report, _ = _parity(cli, prompts_file, tmp_path / "report", bundle, "--drafter", EAGLE31,
                               "--target", MODELS / TARGET, "--runtime", "onnxruntime")
     assert code == 1 and report["passed"] is False
+    assert report["mode"] == "replay"  # greedy parity's default: one reference target forward per prompt
     assert any(symptom in f for f in report["failures"]), report["failures"]
     assert symptom.split(":")[0] in (tmp_path / "report" / "report.md").read_text()
 
@@ -97,6 +98,33 @@ def test_inverted_nvfp4_global_scale_is_caught(cli, tmp_path, prompts_file):
     bundle = export_onnx(EAGLE31, tmp_path / "onnx", broken)
     code, report, _ = _parity(cli, prompts_file, tmp_path / "report", bundle, "--drafter", EAGLE31,
                               "--target", MODELS / TARGET_NVFP4, "--runtime", "onnxruntime")
-    assert code == 1 and report["passed"] is False
+    assert code == 1 and report["passed"] is False and report["mode"] == "replay"
     assert any("target's own first token differs: target weights or NVFP4 scales" in f
                for f in report["failures"]), report["failures"]
+
+
+def test_replay_and_autoregressive_parity_agree(tmp_path):
+    """Replay (one reference target forward per prompt) and autoregressive parity reach the same verdict;
+    the replayed reference drafts equal the reference loop's own, round by round."""
+    from eagle31_export.parity.compare import run_parity
+
+    prompts = PAIR.held_out_prompts(48)[:4]
+    reference = load_speculator("reference", PairSource.of(EAGLE31, MODELS / TARGET))
+    faithful = load_speculator("onnxruntime", PairSource.of(EAGLE31, MODELS / TARGET, export_onnx(
+        EAGLE31, tmp_path / "onnx", MODELS / TARGET)))
+    broken = load_speculator("onnxruntime", PairSource.of(EAGLE31, MODELS / TARGET, _broken_bundle(
+        tmp_path / "broken", "pre_norm")))
+    for runtime, passes in ((faithful, True), (broken, False)):
+        reports = {mode: run_parity(reference, runtime, prompts, 3, 16, mode=mode)
+                   for mode in ("replay", "autoregressive")}
+        assert reports["replay"].passed is reports["autoregressive"].passed is passes
+        replay, loop = (reports[m].rows for m in ("replay", "autoregressive"))
+        assert [r.symptom for r in replay] == [r.symptom for r in loop]
+        assert all(r.target_forwards_reference == 1 for r in replay)
+        assert all(r.target_forwards_reference == 1 + r.rounds_reference > 2 for r in loop)
+    for prompt in prompts:
+        run = faithful.run(prompt, 16, 3)
+        own = reference.run(prompt, 16, 3)
+        replayed = reference.replay(prompt, run)
+        assert (replayed.tokens, replayed.drafts, replayed.accepted_per_step) == (own.tokens, own.drafts,
+                                                                                  own.accepted_per_step)

@@ -1,0 +1,79 @@
+"""Replay: the reference drafter at exactly another run's round boundaries, with ONE target forward.
+
+Greedy speculation is lossless, so a faithful runtime's tokens are the target's greedy
+continuation. Parity therefore needs no autoregressive reference run: the target runs once over
+the prompt plus what the runtime committed (tapping the aux layers), and the drafter is replayed
+round by round at the boundaries the runtime's `accepted_per_step` fixes. Its drafts are then
+verified against that forward's greedy tokens, as the loop would have verified them.
+
+The last round may have been cut by `max_new_tokens`; its accepted drafts are appended to the
+forward (they are what the runtime verified), so every round's drafts can be checked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle31_export.reference.speculate import (
+    DrafterBackend,
+    LoopObserver,
+    Round,
+    SpecResult,
+    TargetBackend,
+    _draft_steps,
+    _Sampler,
+)
+
+
+def verified_sequence(prompt: list[int], run: SpecResult) -> tuple[list[int], list[int]]:
+    """(the sequence the runtime verified, the position of the newest token at each round's start)."""
+    starts, m = [], len(prompt)
+    for accepted in run.accepted_per_step:
+        starts.append(m)
+        m += accepted + 1
+    kept = 1 + sum(a + 1 for a in run.accepted_per_step[:-1]) if run.accepted_per_step else len(run.tokens)
+    tail = run.drafts[-1][: run.accepted_per_step[-1]] if run.accepted_per_step else []
+    return list(prompt) + list(run.tokens[:kept]) + list(tail), starts
+
+
+@torch.no_grad()
+def replay_greedy(target: TargetBackend, drafter: DrafterBackend, prompt: list[int], run: SpecResult,
+                  observer: LoopObserver | None = None) -> SpecResult:
+    """The reference's result for `run`'s rounds: tokens are the target's greedy tokens along the
+    runtime's sequence, drafts are the reference drafter's at the runtime's round boundaries."""
+    observer = observer or LoopObserver()
+    seq, starts = verified_sequence(prompt, run)
+    target.reset()
+    logits, taps = target.forward(torch.tensor([seq]))
+    greedy = [int(t) for t in logits[0].argmax(-1)]  # greedy[j]: the target's token after seq[: j + 1]
+    p = len(prompt)
+    tokens = greedy[p - 1: p - 1 + len(run.tokens)]
+    result = SpecResult(tokens=tokens, drafts=[], accepted_per_step=[], depth=run.depth)
+    observer.on_prefill(tokens[0])
+    sampler, vocab = _Sampler(0.0, 0), logits.shape[-1]
+    drafter.reset()
+    for index, m in enumerate(starts):
+        committed = drafter.length
+        ids, positions = torch.tensor([seq[committed + 1: m + 1]]), torch.arange(committed, m).unsqueeze(0)
+        drafts, _, first_logits = _draft_steps(drafter, ids, positions, taps[:, committed:m], m, run.depth,
+                                               sampler, vocab)
+        drafter.truncate(m)
+        accepted = _accepted(drafts, seq, greedy, m)
+        result.drafts.append(drafts)
+        result.accepted_per_step.append(accepted)
+        observer.on_round(Round(index, drafts, accepted, drafts[:accepted] + greedy[m + accepted: m + accepted + 1],
+                                first_logits if observer.wants_draft_logits else None))
+    return result
+
+
+def _accepted(drafts: list[int], seq: list[int], greedy: list[int], m: int) -> int:
+    """Leading drafts equal to the target's greedy token, checked while the drafts follow `seq`
+    (past that, the single forward saw another prefix and cannot judge them)."""
+    accepted = 0
+    for i, draft in enumerate(drafts):
+        if m + i >= len(greedy) or draft != greedy[m + i]:
+            break
+        accepted += 1
+        if m + 1 + i >= len(seq) or seq[m + 1 + i] != draft:
+            break
+    return accepted
