@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	# speculators as a real consumer (tests/test_speculators_consumer.py), without its dependencies: they would
+	# pull torchvision / torchaudio and a CUDA torch; what its import needs is in the test extra.
+	$(PY) -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $(STAMP)
 
 demo: setup

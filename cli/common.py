@@ -8,6 +8,7 @@ Use an alias as a parameter's annotation and give the default in the signature, 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -24,16 +25,29 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16
 DrafterOpt = Annotated[Path, typer.Option("--drafter", help="Drafter checkpoint folder (any supported format).")]
 TargetOpt = Annotated[Path, typer.Option("--target", help="Target checkpoint folder (validated, referenced by path).")]
 BundleOutOpt = Annotated[Path, typer.Option("--out", help="Bundle folder to write.")]
-TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")]
-PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel size.")]
+TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size.")]
+PpOpt = Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel size.")]
 CopyTargetOpt = Annotated[bool, typer.Option("--copy-target", help="Copy the target into the bundle.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing --out.")]
+RuntimeVersionOpt = Annotated[Optional[str], typer.Option(
+    "--runtime-version", help="Version of the runtime that will serve the bundle: refused when it would silently "
+    "drop a feature the drafter uses (default: the installed runtime's version, if any).")]
+
+SEED_MAX = 2**63 - 1  # torch generators take 64-bit seeds
+
+
+def finite_number(value: float | None) -> float | None:
+    """Option callback: NaN and infinities are not numbers a user means."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
 
 # --- options the run-time commands (speculate, parity) declare identically; for their later use ---
 UrlOpt = Annotated[Optional[str], typer.Option("--url", help="Triton server HTTP HOST:PORT for --runtime triton.")]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1)]
-TemperatureOpt = Annotated[float, typer.Option("--temperature", min=0.0)]
-SeedOpt = Annotated[int, typer.Option("--seed")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", min=0.0, callback=finite_number)]
+SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=SEED_MAX)]
 
 
 def parse_dtype(name: str) -> torch.dtype:

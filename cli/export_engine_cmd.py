@@ -21,7 +21,7 @@ def engine(
     fp16: bool = typer.Option(False, "--fp16", help="Allow FP16 kernels."),
     bf16: bool = typer.Option(False, "--bf16", help="Allow BF16 kernels."),
     fp8: bool = typer.Option(False, "--fp8", help="Allow FP8 kernels (Hopper and newer)."),
-    max_tokens: int = typer.Option(2048, "--max-tokens", help="Upper bound for every dynamic dimension."),
+    max_tokens: int = typer.Option(2048, "--max-tokens", min=1, help="Upper bound for every dynamic dimension."),
     force: ForceOpt = False,
 ) -> None:
     """Build one TensorRT engine per ONNX graph, with the plugin library registered."""

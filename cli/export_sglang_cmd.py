@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, TargetOpt, TpOpt
+from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
 
 
 def register(export_app: typer.Typer) -> None:
@@ -19,12 +19,13 @@ def sglang(
     out: BundleOutOpt,
     tp: TpOpt = 1,
     pp: PpOpt = 1,
-    steps: Annotated[int, typer.Option("--num-steps", help="Draft steps (tokens) per verification.")] = 3,
+    steps: Annotated[int, typer.Option("--num-steps", min=1, help="Draft steps (tokens) per verification.")] = 3,
     copy_target: CopyTargetOpt = False,
     force: ForceOpt = False,
+    runtime_version: RuntimeVersionOpt = None,
 ) -> None:
     """Drafter for SGLang's EAGLE3 algorithm + README with the `sglang.launch_server` flags."""
     from eagle31_export.export.sglang import export_sglang
 
-    path = export_sglang(drafter, target, out, tp, pp, steps, copy_target, force)
+    path = export_sglang(drafter, target, out, tp, pp, steps, copy_target, force, runtime_version)
     typer.echo(f"SGLang bundle written to {path} (see {path / 'README.md'} for the server command)")

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, TargetOpt, TpOpt
+from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
 
 
 def register(export_app: typer.Typer) -> None:
@@ -19,12 +19,13 @@ def trtllm(
     out: BundleOutOpt,
     tp: TpOpt = 1,
     pp: PpOpt = 1,
-    max_draft_len: Annotated[int, typer.Option("--max-draft-len", help="Draft tokens per verification.")] = 3,
+    max_draft_len: Annotated[int, typer.Option("--max-draft-len", min=1, help="Draft tokens per verification.")] = 3,
     copy_target: CopyTargetOpt = False,
     force: ForceOpt = False,
+    runtime_version: RuntimeVersionOpt = None,
 ) -> None:
     """Drafter in TensorRT-LLM's Eagle3 layout + LLM-API YAML for trtllm-serve / trtllm-bench."""
     from eagle31_export.export.trtllm import export_trtllm
 
-    path = export_trtllm(drafter, target, out, tp, pp, max_draft_len, copy_target, force)
+    path = export_trtllm(drafter, target, out, tp, pp, max_draft_len, copy_target, force, runtime_version)
     typer.echo(f"TensorRT-LLM bundle written to {path} (see {path / 'README.md'} for the trtllm-serve command)")

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, TargetOpt, TpOpt
+from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
 
 
 def register(export_app: typer.Typer) -> None:
@@ -19,12 +19,14 @@ def vllm(
     out: BundleOutOpt,
     tp: TpOpt = 1,
     pp: PpOpt = 1,
-    k: Annotated[int, typer.Option("--num-speculative-tokens", help="Draft tokens per verification.")] = 3,
+    k: Annotated[int, typer.Option("--num-speculative-tokens", min=1, help="Draft tokens per verification.")] = 3,
     copy_target: CopyTargetOpt = False,
     force: ForceOpt = False,
+    runtime_version: RuntimeVersionOpt = None,
+    layout: Annotated[str, typer.Option("--layout", help="Drafter layout: auto (the EAGLE layout where it holds the drafter) or speculators.")] = "auto",
 ) -> None:
     """Drafter for vLLM's eagle3 method (before-layer tap numbering) + README with `vllm serve`."""
     from eagle31_export.export.vllm import export_vllm
 
-    path = export_vllm(drafter, target, out, tp, pp, k, copy_target, force)
+    path = export_vllm(drafter, target, out, tp, pp, k, copy_target, force, runtime_version, layout)
     typer.echo(f"vLLM bundle written to {path} (see {path / 'README.md'} for the vllm serve command)")

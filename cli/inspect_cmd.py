@@ -22,14 +22,16 @@ def inspect(
     target: Optional[Path] = typer.Option(None, "--target", help="Check the drafter against this target."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Detected format, EAGLE version, canonical config, tapped layers, compatibility."""
+    """Detected format, EAGLE version, canonical config, tapped layers, compatibility; exit 1 when problems are found."""
     report = inspect_path(path, target)
     if as_json:
         print_json(report)
     else:
         _render(report)
     if report["problems"]:
-        raise typer.Exit(2)
+        problems = report["problems"]
+        typer.echo(f"{path}: {len(problems)} problem(s) found; first: {problems[0]}", err=True)
+        raise typer.Exit(1)  # read, but not usable as it is: exit 2 is for what cannot be read at all
 
 
 def _render(report: dict) -> None:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 
-from eagle31_export.cli.common import print_json
+from eagle31_export.cli.common import SEED_MAX, finite_number, print_json
 from eagle31_export.cli.speculate_cmd import RUNTIME_HELP
 from eagle31_export.runtime.registry import DEFAULT_SERVING_RUNTIME
 
@@ -22,32 +22,39 @@ def parity(
     bundle: Optional[Path] = typer.Argument(None, help="Exported artifacts to check (e.g. an `export onnx` folder)."),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="Reference drafter checkpoint."),
     target: Optional[Path] = typer.Option(None, "--target", help="Reference target checkpoint."),
+    capture: Optional[Path] = typer.Option(None, "--capture", help="Instead of --target: a folder written by "
+                                                                   "`eagle31-export capture` (greedy only; its prompts)."),
     runtime: str = typer.Option(DEFAULT_SERVING_RUNTIME, "--runtime", help=RUNTIME_HELP),
     url: Optional[str] = typer.Option(None, "--url", help="Triton server HTTP HOST:PORT for --runtime triton."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL: {\"prompt_ids\": [...]} or {\"text\": ...}."),
     depth: int = typer.Option(3, "--depth", min=1),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0),
-    seed: int = typer.Option(0, "--seed"),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, callback=finite_number),
+    seed: int = typer.Option(0, "--seed", min=0, max=SEED_MAX),
     mode: Optional[str] = typer.Option(None, "--mode", help="replay (greedy default: one reference target forward "
                                                             "per prompt) or autoregressive (sampling's mode)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write report.json, report.md and plots here."),
+    force: bool = typer.Option(False, "--force", help="Replace an earlier report at --out."),
     as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
 ) -> None:
     """Run reference and runtime on the same prompts; compare tokens, drafts, acceptance."""
     from eagle31_export.parity.report import markdown, write_report
 
+    from eagle31_export.formats.outputs import check_output
     from eagle31_export.parity.sides import check_parity
 
+    inputs = [bundle, drafter, target, capture, prompts]
+    if out is not None:
+        check_output(out, force, inputs)  # before the run, not after it
     with Progress(console=Console(stderr=True), transient=True) as bar:
         def progress(total):
             task = bar.add_task(f"parity vs {runtime}", total=total)
             return lambda _: bar.advance(task)
 
         report = check_parity(runtime, bundle, drafter, target, url, prompts, depth, max_new_tokens, temperature, seed,
-                              progress, mode)
+                              progress, mode, capture=capture)
     if out is not None:
-        write_report(report, out)
+        write_report(report, out, force=force, inputs=inputs)
     if as_json:
         print_json(report.to_json())
     else:

@@ -32,7 +32,7 @@ def build(
         False, "--tensorrt-compile-only", help="Only compile the TensorRT wrappers (headers suffice; no library)."
     ),
     build_dir: Optional[Path] = typer.Option(None, "--build-dir", help="CMake build folder (default: plugins/build)."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile jobs (default: all cores)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Parallel compile jobs (default: all cores)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Configure and build with CMake; report what was built and why anything was skipped."""

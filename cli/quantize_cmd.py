@@ -41,7 +41,7 @@ def quantize(
     console = Console(stderr=True)
     with _TensorBar(console) as progress:
         result = quantize_checkpoint(model_dir, out, fmt, exclude=tuple(exclude or ()), prompts=prompts, force=force,
-                                     progress=progress)
+                                     progress=progress, inputs=(calib_prompts,) if calib_prompts else ())
     for note in result.notes:
         console.print(f"[yellow]note: {note}[/]")
     if result.quantized:

@@ -8,8 +8,9 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from eagle31_export.cli.common import parse_dtype, print_json
+from eagle31_export.cli.common import SEED_MAX, finite_number, parse_dtype, print_json
 from eagle31_export.errors import UserError
+from eagle31_export.reference.speculate import check_prompt_ids
 from eagle31_export.runtime.registry import RUNTIMES
 
 RUNTIME_HELP = "; ".join(f"{name}: {r.help}" for name, r in RUNTIMES.items())
@@ -26,6 +27,9 @@ def parse_prompt_ids(text: str) -> list[int]:
         raise UserError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
     if not ids:
         raise UserError("--prompt-ids is empty")
+    negative = [i for i in ids if i < 0]
+    if negative:
+        raise UserError(f"--prompt-ids: token id {negative[0]} is negative; token ids count from 0")
     return ids
 
 
@@ -33,12 +37,14 @@ def speculate(
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="Drafter checkpoint folder (reference runtime)."),
     target: Optional[Path] = typer.Option(None, "--target", help="Target checkpoint folder (reference runtime; with "
                                                                  "onnxruntime, when the export has no target graph)."),
+    capture: Optional[Path] = typer.Option(None, "--capture", help="Instead of --target: a folder written by "
+                                                                   "`eagle31-export capture` (greedy, its prompts)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text (needs a tokenizer next to the target)."),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt token ids, used as given: 1,2,3."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
     depth: int = typer.Option(3, "--depth", min=1, help="Draft tokens per round."),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0),
-    seed: int = typer.Option(0, "--seed"),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, callback=finite_number),
+    seed: int = typer.Option(0, "--seed", min=0, max=SEED_MAX),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
     act_quant: bool = typer.Option(False, "--act-quant/--no-act-quant", help="NVFP4 targets: emulate W4A4."),
     as_json: bool = typer.Option(False, "--json"),
@@ -65,8 +71,14 @@ def speculate(
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
         ids = parse_prompt_ids(prompt_ids)
+    if target is not None:  # before anything loads: ids the target's embedding has no row for
+        from eagle31_export.formats.target import read_target_info
+
+        check_prompt_ids(ids, read_target_info(target).vocab_size, "--prompt-ids")
     options = LoadOptions(dtype=parse_dtype(dtype), act_quant=act_quant, kernels=kernels, chain=chain)
-    speculator = load_speculator(runtime, PairSource.of(drafter, target, onnx_dir, url), options)
+    if capture is not None and target is not None:
+        raise UserError("pass --target or --capture, not both")
+    speculator = load_speculator(runtime, PairSource.of(drafter, target, onnx_dir, url, capture), options)
     chain_depth = getattr(getattr(speculator, "drafter", None), "chain_depth", None)
     if chain and chain_depth is not None and depth > chain_depth:
         raise UserError(f"the chain graph drafts {chain_depth} tokens per round; run with --depth <= {chain_depth}")

@@ -13,6 +13,7 @@ code call "before layers 2, 16, 29".
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,6 +24,26 @@ AttentionKind = Literal["gqa", "mla"]
 
 class ConfigError(UserError):
     """A configuration that cannot describe a valid drafter or target."""
+
+
+# The activations the reference drafter implements (reference/drafter.py: ACTIVATIONS).
+HIDDEN_ACTS = ("silu", "gelu", "relu")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_positive_ints(owner: str, **values: Any) -> None:
+    for key, value in values.items():
+        if not _is_int(value) or value < 1:
+            raise ConfigError(f"{owner} {key} is {value!r}; expected a positive integer")
+
+
+def _require_positive_finite(owner: str, **values: Any) -> None:
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{owner} {key} is {value!r}; expected a finite positive number")
 
 
 @dataclass(frozen=True)
@@ -105,6 +126,7 @@ class DrafterConfig:
         return default_aux_layer_ids(target_num_layers)
 
     def validate(self) -> None:
+        self._validate_values()
         if self.fc_norm and self.norm_before_fc:
             raise ConfigError(
                 "config enables both fc_norm (one RMSNorm per tapped layer) and norm_before_fc "
@@ -128,6 +150,36 @@ class DrafterConfig:
             raise ConfigError(
                 f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab_size {self.vocab_size}"
             )
+
+    def _validate_values(self) -> None:
+        """Types and ranges of every field, so nothing later divides by zero or indexes past an end."""
+        _require_positive_ints(
+            "drafter", hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, vocab_size=self.vocab_size, draft_vocab_size=self.draft_vocab_size,
+            num_hidden_layers=self.num_layers, max_position_embeddings=self.max_position_embeddings,
+            num_aux_hidden_states=self.num_aux_hidden_states)
+        if self.target_hidden_size is not None:
+            _require_positive_ints("drafter", target_hidden_size=self.target_hidden_size)
+        _require_positive_finite("drafter", rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta)
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"drafter hidden_act {self.hidden_act!r} is not supported; "
+                              f"supported: {', '.join(HIDDEN_ACTS)}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ConfigError(f"drafter rope_scaling is {self.rope_scaling!r}; expected an object or null")
+        if self.attention not in ("gqa", "mla"):
+            raise ConfigError(f"drafter attention {self.attention!r} is not 'gqa' or 'mla'")
+        if self.aux_layer_ids is not None:
+            bad = [i for i in self.aux_layer_ids if not _is_int(i) or i < 0]
+            if bad:
+                raise ConfigError(f"tapped layer ids {list(self.aux_layer_ids)} include {bad[0]!r}; expected "
+                                  "layer numbers >= 0 (output of layer i; vLLM's before-layer ids start at 1)")
+        if self.mla is not None:
+            m = self.mla
+            _require_positive_ints("drafter", kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                                   qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim)
+            if m.q_lora_rank is not None:
+                _require_positive_ints("drafter", q_lora_rank=m.q_lora_rank)
 
     def replace(self, **changes: Any) -> "DrafterConfig":
         return dataclasses.replace(self, **changes)
@@ -173,21 +225,32 @@ class TargetInfo:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "TargetInfo":
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"target config.json is a JSON {type(cfg).__name__}; expected an object")
         text = cfg.get("text_config", cfg)  # multimodal wrappers nest the language model
+        if not isinstance(text, dict):
+            raise ConfigError(f"target config.json text_config is {type(text).__name__}; expected an object")
         try:
             heads = text["num_attention_heads"]
-            return cls(
-                model_type=str(text.get("model_type", cfg.get("model_type", "unknown"))),
-                hidden_size=int(text["hidden_size"]),
-                num_hidden_layers=int(text["num_hidden_layers"]),
-                vocab_size=int(text["vocab_size"]),
-                num_attention_heads=int(heads),
-                num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-                intermediate_size=int(text.get("intermediate_size", 0)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            )
+            sizes = dict(hidden_size=text["hidden_size"], num_hidden_layers=text["num_hidden_layers"],
+                         vocab_size=text["vocab_size"], num_attention_heads=heads,
+                         num_key_value_heads=text.get("num_key_value_heads") or heads)
         except KeyError as missing:
             raise ConfigError(f"target config.json lacks {missing}; is this a causal LM checkpoint?") from None
+        _require_positive_ints("target", **sizes)
+        intermediate = text.get("intermediate_size") or 0
+        if not _is_int(intermediate) or intermediate < 0:
+            raise ConfigError(f"target intermediate_size is {intermediate!r}; expected a positive integer")
+        if heads % sizes["num_key_value_heads"]:
+            raise ConfigError(f"target num_attention_heads {heads} is not a multiple of "
+                              f"num_key_value_heads {sizes['num_key_value_heads']}")
+        tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        if not isinstance(tie, bool) and tie is not None:
+            raise ConfigError(f"target tie_word_embeddings is {tie!r}; expected true or false")
+        model_type = text.get("model_type", cfg.get("model_type", "unknown"))
+        if not isinstance(model_type, str):
+            raise ConfigError(f"target model_type is {model_type!r}; expected a string")
+        return cls(model_type=model_type, intermediate_size=intermediate, tie_word_embeddings=bool(tie), **sizes)
 
 
 def compatibility_problems(cfg: DrafterConfig, target: TargetInfo, d2t_max_target_id: int | None) -> list[str]:

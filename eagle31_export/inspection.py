@@ -32,13 +32,13 @@ def inspect_path(path: str | os.PathLike, target: str | os.PathLike | None = Non
 
 
 def inspect_drafter(path: Path, target: str | os.PathLike | None) -> dict[str, Any]:
-    ckpt = read_drafter(path)
+    ckpt = read_drafter(path, strict=False)  # value problems are reported, not raised
     cfg = ckpt.config
-    problems: list[str] = []
+    problems: list[str] = list(ckpt.problems)
     ids = cfg.aux_layer_ids
     if target is not None:
         info = read_target_info(target)
-        problems = pair_problems(ckpt, info)
+        problems += pair_problems(ckpt, info) if not ckpt.problems else []
         if not any("tapped" in p for p in problems):
             ids = cfg.resolved_aux_layer_ids(info.num_hidden_layers)
     config = cfg.to_dict()

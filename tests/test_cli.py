@@ -29,13 +29,13 @@ def test_inspect_eagle3_without_target(cli, eagle3_dir):
     assert report["config"]["aux_layer_ids"] is None  # the format's default: needs the target to resolve
 
 
-def test_inspect_reports_incompatibility_and_exits_2(cli, tmp_path, eagle31_ckpt, llama_target):
+def test_inspect_reports_incompatibility_and_exits_1(cli, tmp_path, eagle31_ckpt, llama_target):
     bad = eagle31_ckpt.config.replace(aux_layer_ids=(1, 3, 12))
     from eagle31_export.formats.drafter import DrafterCheckpoint
 
     folder = write_drafter(DrafterCheckpoint(bad, eagle31_ckpt.tensors), tmp_path / "bad", "modelopt")
     code, out, _ = cli("inspect", folder, "--target", llama_target, "--json")
-    assert code == 2
+    assert code == 1
     assert any("[12]" in p and "out of range" in p for p in json.loads(out)["problems"])
 
 

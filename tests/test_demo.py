@@ -23,3 +23,11 @@ def test_demo_writes_every_artifact_and_a_passing_parity_report(cli, tmp_path):
     assert (out / "manifest.json").is_file()
     texts = [p.read_text() for p in out.rglob("*") if p.suffix in (".json", ".yaml", ".md", ".pbtxt")]
     assert not any(".tmp-" in t for t in texts)  # no temporary folder names leak into artifacts
+    # built whole beside the final path, then moved there: it matches its manifest and no file names
+    # the path it was written under (nor its temporary sibling's)
+    from eagle31_export.formats.outputs import verify_output
+
+    assert verify_output(out) == []
+    needles = (str(out).encode(), str(out.resolve()).encode(), b"/.demo.tmp-")
+    assert [p for p in out.rglob("*")
+            if p.is_file() and not p.is_symlink() and any(n in p.read_bytes() for n in needles)] == []

@@ -80,13 +80,14 @@ def test_drafter_tensors(bundle, unordered):
 def test_llm_api_yaml_and_readme(bundle, llama_target):
     options = yaml.safe_load((bundle / "llm_api.yaml").read_text())
     spec = options["speculative_config"]
-    assert spec == {"decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": str(bundle / "drafter"),
+    # relative to the bundle: no file names the path the bundle was written under
+    assert spec == {"decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "drafter",
                     "eagle3_one_model": True, "eagle3_layers_to_capture": [1, 3, 4]}
     assert options["tensor_parallel_size"] == 2 and options["pipeline_parallel_size"] == 2
     assert options["return_perf_metrics"] is True
     readme = (bundle / "README.md").read_text()
     assert (f"trtllm-serve {llama_target.resolve()} --backend pytorch --host 127.0.0.1 --port 8000 "
-            f"--tp_size 2 --pp_size 2 --config {bundle / 'llm_api.yaml'}") in readme
+            f"--tp_size 2 --pp_size 2 --config llm_api.yaml") in readme and "from this folder" in readme
     record = json.loads((bundle / "bundle.json").read_text())
     assert record["kind"] == "trtllm" and record["target"] == str(llama_target.resolve())
     assert record["aux_layer_ids"] == {"output_of_layer": [1, 3, 4], "before_layer": [2, 4, 5]}
@@ -142,7 +143,7 @@ def test_copy_target(tmp_path, eagle31_dir, llama_target):
 
     out = export_trtllm(eagle31_dir, llama_target, tmp_path / "b", copy=True)
     assert (out / "target" / "config.json").is_file()
-    assert f"trtllm-serve {out / 'target'} " in (out / "README.md").read_text()
+    assert "trtllm-serve target " in (out / "README.md").read_text()
     assert json.loads((out / "bundle.json").read_text())["target"] == "target"
 
 
@@ -181,8 +182,15 @@ def test_existing_output_needs_force(cli, tmp_path, eagle31_dir, llama_target):
     code, _, err = cli(*args)
     assert code == 2 and "already exists" in err and "--force" in err
     assert (tmp_path / "b" / "keep.txt").read_text() == "mine"
+    # --force replaces only an output of this tool (one with its manifest.json), never a folder of the user's
+    code, _, err = cli(*args, "--force")
+    assert code == 2 and "is not an eagle31-export output (no manifest.json)" in err
+    assert (tmp_path / "b" / "keep.txt").read_text() == "mine"
+    args = args[:-1] + (tmp_path / "c",)
+    assert cli(*args)[0] == 0
+    (tmp_path / "c" / "keep.txt").write_text("stale")
     code, out, _ = cli(*args, "--force")
-    assert code == 0 and (tmp_path / "b" / "llm_api.yaml").is_file() and not (tmp_path / "b" / "keep.txt").exists()
+    assert code == 0 and (tmp_path / "c" / "llm_api.yaml").is_file() and not (tmp_path / "c" / "keep.txt").exists()
 
 
 def test_target_with_problems_is_refused(monkeypatch, cli, tmp_path, eagle31_dir, llama_target):

@@ -43,7 +43,7 @@ def test_vllm_drafter_and_speculative_config(bundles, llama_target):
     assert {"fc.weight", "fc_norm.0.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
     assert any(n.startswith("midlayer.") for n in names) and not any(n.startswith("layers.") for n in names)
     spec = json.loads((out / "speculative_config.json").read_text())
-    assert spec == {"method": "eagle3", "model": str(out / "drafter"), "num_speculative_tokens": 5}
+    assert spec == {"method": "eagle3", "model": "drafter", "num_speculative_tokens": 5}  # relative to the bundle
     readme = (out / "README.md").read_text()
     assert f"vllm serve {llama_target.resolve()} " in readme and f"--speculative-config '{json.dumps(spec)}'" in readme
     assert read_drafter(out / "drafter").config.aux_layer_ids == (1, 3, 4)  # read back: output-of-layer
@@ -58,7 +58,7 @@ def test_sglang_drafter_and_flags(bundles):
     args = json.loads((out / "sglang_args.json").read_text())["args"]
     flags = dict(zip(args[::2], args[1::2]))
     assert flags["--speculative-algorithm"] == "EAGLE3"
-    assert flags["--speculative-draft-model-path"] == str(out / "drafter")
+    assert flags["--speculative-draft-model-path"] == "drafter"  # relative to the bundle
     assert flags["--speculative-num-steps"] == "5" and flags["--speculative-eagle-topk"] == "1"
     assert flags["--speculative-num-draft-tokens"] == "6"
     assert "--speculative-algorithm EAGLE3 --speculative-draft-model-path" in (out / "README.md").read_text()

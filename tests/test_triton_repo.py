@@ -40,10 +40,13 @@ def test_trtllm_repository(cli, tmp_path, bundles, llama_target):
     assert {"text_output", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"} <= set(
         names(config.output))
     model_yaml = yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
-    assert model_yaml["model"] == str(llama_target.resolve()) and model_yaml["backend"] == "pytorch"
+    # Relative to model.yaml's folder, where the drafter is copied and the target linked
+    assert model_yaml["model"] == "target" and model_yaml["backend"] == "pytorch"
+    assert (repo / "tensorrt_llm" / "1" / "target").resolve() == llama_target.resolve()
+    assert (repo / "tensorrt_llm" / "1" / "drafter" / "config.json").is_file()
     assert model_yaml["tensor_parallel_size"] == 2 and model_yaml["pipeline_parallel_size"] == 1
     assert model_yaml["speculative_config"] == {
-        "decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": str(bundles["trtllm"] / "drafter"),
+        "decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "drafter",
         "eagle3_one_model": True, "eagle3_layers_to_capture": [1, 3, 4]}
     assert model_yaml["triton_config"] == {"max_batch_size": 0, "decoupled": True}
     assert (repo / "tensorrt_llm" / "1" / "model.py").read_text().startswith('"""Triton python-backend model serving')

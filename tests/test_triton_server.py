@@ -76,10 +76,25 @@ def make_bigram_pair(root):
     return drafter, target
 
 
-FAKE_TRTLLM = '''
-"""Stand-in for tensorrt_llm's LLM API: echoes its arguments, reports fixed acceptance metrics."""
+# TEST DOUBLES, not runtimes: TensorRT-LLM (and the mpi4py it brings) cannot be installed here. These
+# stand-ins only let Triton load and drive the trtllm flavour's model.py: they echo what the model
+# passes to the LLM API, report fixed acceptance metrics, play MPI rank / world size from
+# `stand_in.json`, and write what the model asked of them (LLM built, abort, MPI worker, shutdown)
+# to `stand_in_events.log`, both in the model's version folder.
+STAND_IN_FILES = {
+    "tensorrt_llm/__init__.py": """
 import json
+import os
+import threading
+import time
 from types import SimpleNamespace as NS
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def record(event):
+    with open(os.path.join(HERE, "stand_in_events.log"), "a") as f:
+        f.write(event + "\\n")
 
 
 class SamplingParams:
@@ -90,12 +105,16 @@ class SamplingParams:
 class LLM:
     def __init__(self, **kw):
         self.kw = kw
+        record("llm " + json.dumps(sorted(kw)))
 
     def generate_async(self, prompt, params, streaming=False):
-        return _Result(json.dumps({"llm": self.kw, "prompt": prompt, "sampling": params.kw}), streaming)
+        if prompt == "endless":  # streams until aborted
+            return _Endless()
+        kw = {k: (vars(v) if k == "_mpi_session" else v) for k, v in self.kw.items()}
+        return _Result(json.dumps({"llm": kw, "prompt": prompt, "sampling": params.kw}), streaming)
 
     def shutdown(self):
-        pass
+        record("shutdown")
 
 
 class _Result:
@@ -117,7 +136,87 @@ class _Result:
 
     def result(self):
         return self._output(len(self.parts) - 1)
-'''
+
+    def abort(self):
+        record("abort")
+
+
+class _Endless:
+    def __init__(self):
+        self.aborted = threading.Event()
+
+    def __iter__(self):
+        i = 0
+        while not self.aborted.wait(0.05):
+            out = NS(text="x" * (i + 1), text_diff="x", token_ids=list(range(i + 1)), token_ids_diff=[i],
+                     finish_reason=None, request_perf_metrics=None)
+            i += 1
+            yield NS(outputs=[out], finished=False)
+
+    def result(self):
+        self.aborted.wait(60)
+        raise RuntimeError("aborted")
+
+    def abort(self):
+        record("abort")
+        self.aborted.set()
+""",
+    "tensorrt_llm/_utils.py": """
+import json
+import os
+
+with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "stand_in.json")) as f:
+    _WORLD = json.load(f)
+
+
+def global_mpi_rank():
+    return _WORLD["rank"]
+
+
+def global_mpi_size():
+    return _WORLD["world"]
+""",
+    "tensorrt_llm/llmapi.py": """
+class MpiCommSession:
+    def __init__(self, comm=None, n_workers=1):
+        self.n_workers = n_workers
+""",
+    "mpi4py/__init__.py": "",
+    "mpi4py/MPI.py": """
+from tensorrt_llm._utils import global_mpi_rank, global_mpi_size
+
+
+class _Comm:
+    def Get_rank(self):
+        return global_mpi_rank()
+
+    def Get_size(self):
+        return global_mpi_size()
+
+
+COMM_WORLD = _Comm()
+""",
+    "mpi4py/futures.py": """
+import contextlib
+
+from tensorrt_llm import record
+
+
+@contextlib.contextmanager
+def MPICommExecutor(comm):
+    record(f"mpi worker rank {comm.Get_rank()}")  # a real worker would run rank 0's tasks until it shuts down
+    yield None if comm.Get_rank() != 0 else object()
+""",
+}
+
+
+def install_trtllm_stand_in(version_dir, rank=0, world=1):
+    """Put the stand-ins into a trtllm model's version folder (on the python stub's sys.path)."""
+    for name, source in STAND_IN_FILES.items():
+        (version_dir / name).parent.mkdir(exist_ok=True)
+        (version_dir / name).write_text(textwrap.dedent(source))
+    (version_dir / "stand_in.json").write_text(json.dumps({"rank": rank, "world": world}))
+    return version_dir / "stand_in_events.log"
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +231,7 @@ def repos(tmp_path_factory, pair):
     bundle = export_trtllm(drafter, target, root / "bundle", max_draft_len=3)
     trt = export_triton(bundle, root / "trt", "trtllm")
     # Triton's python stub ignores PYTHONPATH; the model's own folder is on its sys.path.
-    fake = trt / "tensorrt_llm" / "1" / "tensorrt_llm"
-    fake.mkdir()
-    (fake / "__init__.py").write_text(textwrap.dedent(FAKE_TRTLLM))
+    install_trtllm_stand_in(trt / "tensorrt_llm" / "1")
     return {"cpu": export_triton(bundle, root / "cpu", "cpu"), "trtllm": trt, "bundle": bundle}
 
 

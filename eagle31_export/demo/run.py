@@ -13,7 +13,7 @@ from typing import Callable
 
 from eagle31_export.demo.pair import DRAFTERS, TARGET, TARGET_NVFP4, EmbeddedPair
 from eagle31_export.errors import MissingRuntimeError
-from eagle31_export.formats.safetensors_io import built_in_place
+from eagle31_export.formats.outputs import atomic_output_dir
 from eagle31_export.inspection import inspect_path
 from eagle31_export.parity.acceptance import tau_by_depth, teacher_forced_agreement, text_prompts
 from eagle31_export.parity.compare import ParityReport, run_parity
@@ -43,8 +43,7 @@ def run_demo(out: Path, pair_dir: Path, force: bool = True,
     pair = EmbeddedPair.open(pair_dir)
     drafter31 = pair.drafter("EAGLE 3.1")
     prompts = pair.held_out_prompts(64)[:PROMPTS]
-    # built in place: the serving bundles record absolute paths of their own files
-    with built_in_place(out, force=force) as tmp:
+    with atomic_output_dir(out, force=force, inputs=[pair_dir]) as tmp:
         reports = {path.name: inspect_path(path, None if path.name.startswith("target") else pair.target)
                    for path in (pair.target, pair.target_nvfp4, *map(pair.drafter, DRAFTERS))}
         (tmp / "inspect.json").write_text(json.dumps(reports, indent=2) + "\n")

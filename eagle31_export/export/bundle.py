@@ -26,6 +26,7 @@ from eagle31_export.formats.safetensors_io import read_json, save_tensors, write
 
 BUNDLE_FILE = "bundle.json"
 BUNDLE_VERSION = 1
+BUNDLE_KINDS = ("trtllm", "vllm", "sglang")  # what `export trtllm|vllm|sglang` write
 
 
 @dataclass
@@ -189,6 +190,15 @@ def read_bundle(bundle: str | os.PathLike) -> dict[str, Any]:
     for key in ("kind", "target", "drafter", "max_draft_len"):
         if key not in record:
             raise UserError(f"{bundle / BUNDLE_FILE}: lacks {key!r}; re-export the bundle")
+    if record["kind"] not in BUNDLE_KINDS:
+        raise UserError(f"{bundle / BUNDLE_FILE}: unknown bundle kind {record['kind']!r}; this version writes and "
+                        f"reads {', '.join(BUNDLE_KINDS)} bundles: re-export it")
+    for key in ("target", "drafter"):
+        if not isinstance(record[key], str) or not record[key]:
+            raise UserError(f"{bundle / BUNDLE_FILE}: {key} is {record[key]!r}; expected a folder path")
+    depth = record["max_draft_len"]
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise UserError(f"{bundle / BUNDLE_FILE}: max_draft_len is {depth!r}; expected a positive integer")
     record["target"] = str((bundle / record["target"]).resolve())  # absolute paths survive the join
     record["drafter"] = str((bundle / record["drafter"]).resolve())
     if not Path(record["target"], "config.json").is_file():

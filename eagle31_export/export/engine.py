@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle31_export.errors import MissingRuntimeError, UserError
-from eagle31_export.formats.safetensors_io import atomic_output_dir, write_json
+from eagle31_export.formats.outputs import atomic_output_dir, check_output
+from eagle31_export.formats.safetensors_io import write_json
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 INSTALL_HINT = ("TensorRT is not installed; on a machine with an NVIDIA GPU run `pip install tensorrt` "
@@ -110,12 +111,12 @@ def build_engines(onnx_dir: str | os.PathLike, out: str | os.PathLike, plugins: 
         raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     graphs = onnx_graphs(Path(onnx_dir))
     out = Path(out)
-    if out.exists() and not force:  # checked before the slow import and build
-        raise UserError(f"{out} already exists; choose another --out or pass --force to replace it")
+    inputs = [onnx_dir, plugins]
+    check_output(out, force, inputs)  # before the slow import and build
     trt = import_tensorrt()
     logger = trt.Logger(trt.Logger.WARNING)
     creators = load_plugins(trt, logger, Path(plugins) if plugins else None)
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_output_dir(out, force=force, inputs=inputs) as tmp:
         built = {}
         for graph in graphs:
             (tmp / f"{graph.stem}.engine").write_bytes(build_one(trt, logger, graph, precision, shapes, workspace_gib))

@@ -8,7 +8,12 @@
       drafter_d2t.safetensors  draft -> target vocabulary offsets, for runtimes that sample
       target.onnx, target.onnx.data   with a target
       graphs.json          inputs/outputs of every graph, KV layout, tapped layers, source checkpoints
-      manifest.json        sha256 of every file
+      manifest.json        sha256 of every file; size and header hash of the source checkpoints
+
+`source` records the checkpoints the graphs came from (parity loads them as the reference pair):
+absolute paths of the inputs, or, with `relative_sources` (an export that is part of a larger
+output, e.g. the Triton `cpu` repository's `pair/onnx` next to `pair/drafter`), paths relative to
+this folder, so that no file names the path it was written under.
 
 Written atomically (temporary sibling folder, renamed when complete); every graph passes
 `onnx.checker.check_model(full_check=True)` before the folder is renamed into place.
@@ -31,7 +36,8 @@ from eagle31_export.export.onnx_drafter import DrafterGraphWriter
 from eagle31_export.export.onnx_graph import IR_VERSION, OPSET, ExternalWeights, io_description
 from eagle31_export.export.onnx_target import TargetGraphWriter
 from eagle31_export.formats.pair import read_pair
-from eagle31_export.formats.safetensors_io import atomic_output_dir, write_json
+from eagle31_export.formats.outputs import atomic_output_dir, check_output
+from eagle31_export.formats.safetensors_io import write_json
 
 FORMAT = "eagle31-export/onnx"
 FORMAT_VERSION = 1
@@ -59,13 +65,15 @@ class OnnxExportOptions:
 
 
 def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_path: str | os.PathLike | None = None,
-                options: OnnxExportOptions = OnnxExportOptions(), force: bool = False) -> Path:
+                options: OnnxExportOptions = OnnxExportOptions(), force: bool = False,
+                relative_sources: bool = False) -> Path:
     """Export the drafter (and the target when given) to `out`; returns `out`."""
     from eagle31_export.formats.drafter import read_drafter
     from eagle31_export.reference.drafter import build_drafter
 
     options.validate()
     ckpt = read_drafter(drafter_path)
+    check_output(out, force, [drafter_path, target_path])  # before the slow part
     target_model, aux_ids, nvfp4 = None, None, {}
     if target_path is not None:
         target_model, aux_ids, nvfp4 = _load_target(ckpt, target_path)
@@ -75,7 +83,9 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
     # from the target where the drafter has none); fp32 here, rounded once to the export dtype.
     drafter = build_drafter(ckpt, dtype=torch.float32, target_model=target_model)
 
-    with atomic_output_dir(out, force=force) as tmp:
+    sources = {"drafter": _source(drafter_path, out, relative_sources),
+               "target": _source(target_path, out, relative_sources)}
+    with atomic_output_dir(out, force=force, inputs=[drafter_path, target_path], references=sources) as tmp:
         writer = DrafterGraphWriter(drafter, ExternalWeights(tmp, "drafter.onnx.data"), options.dtype,
                                     options.max_positions)
         graphs = {"first": writer.step_graph(True), "next": writer.step_graph(False)}
@@ -102,8 +112,7 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
                         "plugin_version": P.PLUGIN_VERSION, "ops": sorted(P.PLUGINS)},
             "drafter": drafter_meta,
             # where the graphs came from, so that parity tools can load the reference pair
-            "source": {"drafter": str(Path(drafter_path).resolve()),
-                       "target": str(Path(target_path).resolve()) if target_path is not None else None},
+            "source": sources,
         }
         if target_model is not None:
             meta["target"] = _export_target(target_model, aux_ids, nvfp4, options, tmp)
@@ -111,10 +120,20 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
     return Path(out)
 
 
+def _source(path: str | os.PathLike | None, out: str | os.PathLike, relative: bool) -> str | None:
+    if path is None:
+        return None
+    if relative:
+        return Path(os.path.relpath(Path(path).absolute(), Path(out).absolute())).as_posix()
+    return str(Path(path).resolve())
+
+
 def _load_target(ckpt, target_path):
-    from eagle31_export.formats.target import load_causal_lm
+    from eagle31_export.export.onnx_target import check_target_config
+    from eagle31_export.formats.target import load_causal_lm, read_target_config
 
     aux_ids = read_pair(ckpt, target_path).aux_layer_ids
+    check_target_config(read_target_config(target_path))  # a target with no graph here: before loading it
     # NVFP4 targets load dequantized (for norms, embeddings, rope); their packed weights are
     # read separately and go into the graph as they are.
     return load_causal_lm(target_path, dtype=torch.float32), aux_ids, Q.read_nvfp4_weights(target_path)

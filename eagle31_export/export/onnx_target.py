@@ -28,6 +28,16 @@ B, T, PAST, PRESENT = "batch", "sequence", "past_sequence", "present_sequence"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def check_target_config(config: dict) -> None:
+    """Refuse, from config.json alone, a target this graph writer does not model."""
+    text = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    family = text.get("model_type", config.get("model_type", "?"))
+    if family not in FAMILIES:
+        raise UserError(f"target model_type {family!r} has no ONNX export here (supported: {', '.join(FAMILIES)})")
+    if "sliding_attention" in (text.get("layer_types") or []):
+        raise UserError("the target uses sliding-window attention layers, which the ONNX target graph does not model")
+
+
 class TargetGraphWriter:
     def __init__(self, model: nn.Module, aux_layer_ids: tuple[int, ...], weights: ExternalWeights,
                  dtype: torch.dtype, nvfp4: dict[str, Q.Nvfp4Weight] | None = None, flavor: str = "onnxruntime",

@@ -20,8 +20,16 @@ from eagle31_export.export.bundle import (
     write_drafter_files,
 )
 from eagle31_export.errors import UserError
+from eagle31_export.export.capabilities import (
+    bundle_requirements,
+    check_runtime,
+    readme_section,
+    required_features,
+    target_quant_format,
+)
 from eagle31_export.formats.drafter_formats import consumer_layout
-from eagle31_export.formats.safetensors_io import atomic_output_dir, write_json
+from eagle31_export.formats.outputs import atomic_output_dir
+from eagle31_export.formats.safetensors_io import write_json
 
 ARGS_FILE = "sglang_args.json"
 
@@ -34,7 +42,8 @@ def server_args(target: str, drafter_dir: str, k: int, tp: int, pp: int, port: i
 
 
 def export_sglang(drafter: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike, tp: int = 1,
-                  pp: int = 1, num_steps: int = 3, copy: bool = False, force: bool = False) -> Path:
+                  pp: int = 1, num_steps: int = 3, copy: bool = False, force: bool = False,
+                  runtime_version: str | None = None) -> Path:
     if num_steps < 1:
         raise UserError(f"--num-steps must be >= 1 (got {num_steps})")
     pair = checked_pair(drafter, target)
@@ -43,25 +52,32 @@ def export_sglang(drafter: str | os.PathLike, target: str | os.PathLike, out: st
         raise UserError("SGLang's Eagle3 drafters have one layer and no norm_before_fc; "
                         "this drafter cannot be served by SGLang as it is (try vLLM)")
     check_parallel(pair.target_info, cfg, tp, pp)
+    features = required_features(cfg, target_quant_format(pair.target))
+    checked = check_runtime("sglang", features, runtime_version)  # docs/runtime-capabilities.md
     out = Path(out).resolve()
     fmt, patch = consumer_layout("sglang", cfg)
-    with atomic_output_dir(out, force=force) as tmp:
+    # Paths relative to the bundle (the README's command runs from the bundle folder); only a
+    # target referenced by path (an input) is absolute.
+    target_path = "target" if copy else str(pair.target)
+    with atomic_output_dir(out, force=force, inputs=[drafter, pair.target], references={"target": target_path}) as tmp:
         write_drafter_files(pair.checkpoint, tmp / "drafter", fmt, patch)
-        target_path = str(out / "target") if copy else str(pair.target)
         if copy:
             copy_target(pair.target, tmp / "target")
-        args = server_args(target_path, str(out / "drafter"), num_steps, tp, pp)
+        args = server_args(target_path, "drafter", num_steps, tp, pp)
         write_json(tmp / ARGS_FILE, {"module": "sglang.launch_server", "args": args})
-        write_json(tmp / BUNDLE_FILE, bundle_record("sglang", pair, "target" if copy else target_path,
-                                                    num_steps, tp, pp, drafter_format=fmt))
+        write_json(tmp / BUNDLE_FILE, bundle_record("sglang", pair, target_path,
+                                                    num_steps, tp, pp, drafter_format=fmt,
+                                                    runtime_requirements=bundle_requirements("sglang", features, checked)))
         (tmp / "README.md").write_text(f"""# SGLang bundle (EAGLE {cfg.eagle_version} drafter)
+
+From this folder (the drafter{" and the target" if copy else ""} are named relative to it):
 
 ```
 python -m sglang.launch_server {shlex.join(args)}
 ```
 
-- drafter: `{out / 'drafter'}` in the {fmt} layout
+- drafter: `drafter` in the {fmt} layout
 - tapped target layers (output of layer, `eagle_config.eagle_aux_hidden_state_layer_ids`): {list(pair.aux_layer_ids)}
 - chain drafting: {num_steps} steps, top-k 1, {num_steps + 1} draft tokens per verification
-""")
+{readme_section("sglang", features, checked)}""")
     return out

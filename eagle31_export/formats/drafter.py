@@ -37,9 +37,22 @@ OPTIONAL_TENSORS = {"embed_tokens.weight", "lm_head.weight", "d2t", "t2d"}
 class RenamedTensors(Mapping[str, torch.Tensor]):
     """Lazy canonical-name view over a checkpoint's tensors."""
 
-    def __init__(self, source: SafetensorsDir, fmt: DrafterFormat, cfg: DrafterConfig):
+    def __init__(self, source: SafetensorsDir, fmt: DrafterFormat, cfg: DrafterConfig,
+                 stored: Mapping[str, str] | None = None):
+        """`stored`: name the format knows -> name in the files (they differ when the files carry
+        a prefix such as NeMo AutoModel's `model.`); default: the same."""
         self.source = source
-        self.by_canonical = {fmt.to_canonical(n, cfg): n for n in source}
+        self.by_canonical: dict[str, str] = {}
+        for name, in_file in (stored or {n: n for n in source}).items():
+            try:
+                canonical = fmt.to_canonical(name, cfg)
+            except (ValueError, IndexError):
+                raise CheckpointError(f"{source.file_of(in_file)}: tensor {in_file!r} does not follow the "
+                                      f"{fmt.name} naming") from None
+            if canonical in self.by_canonical:
+                raise CheckpointError(f"{source.folder}: tensors {self.by_canonical[canonical]!r} and {in_file!r} "
+                                      f"both hold {canonical!r}; remove one")
+            self.by_canonical[canonical] = in_file
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self.source[self.by_canonical[name]]
@@ -65,6 +78,10 @@ class DrafterCheckpoint:
     format: str = "canonical"
     path: Path | None = None
     unknown_config_keys: list[str] = field(default_factory=list)
+    # What is wrong with the values (dtypes, NaN/Inf, all-zero norms, d2t/t2d): empty unless read
+    # with strict=False (`inspect`), which reports them instead of refusing the checkpoint.
+    problems: list[str] = field(default_factory=list)
+    tensor_prefix: str = ""  # a prefix every stored name carried and reading removed (e.g. "model.")
 
     def d2t(self) -> torch.Tensor:
         if "d2t" in self.tensors:
@@ -129,24 +146,64 @@ def _attention_shapes(cfg: DrafterConfig, d_in: int) -> dict[str, tuple[int, ...
     return out
 
 
-def read_drafter(path: str | os.PathLike) -> DrafterCheckpoint:
+def read_drafter(path: str | os.PathLike, strict: bool = True) -> DrafterCheckpoint:
+    """Read a drafter folder in any supported format into canonical names (tensors stay lazy).
+
+    Structure (config, tensor names, shapes) is always checked; so are the values, in one
+    streaming pass (`formats.weight_checks`): dtypes, NaN/Inf, all-zero norms, d2t/t2d. A value
+    problem refuses the checkpoint, or with `strict=False` is listed in `problems` (`inspect`).
+    """
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; expected a drafter checkpoint folder")
     raw = read_json(path / "config.json")
     source = SafetensorsDir(path)
-    fmt = detect_format(raw, list(source))
+    stored, prefix = _strip_prefix(list(source))
+    try:
+        fmt = detect_format(raw, list(stored))
+    except CheckpointError as err:
+        if not prefix and any(n.startswith(p) for n in source for p in _WRAPPER_PREFIXES):
+            raise CheckpointError(f"{path}: {err} (its tensor names carry a wrapper prefix such as 'model.' but not "
+                                  "for every drafter tensor; re-save the drafter with plain names)") from None
+        raise CheckpointError(f"{path}: {err}") from None
     try:
         cfg, unknown = fmt.read_config(raw)
-    except CheckpointError:
-        raise
+    except CheckpointError as err:
+        raise CheckpointError(f"{path / 'config.json'}: {err}") from None
     except ConfigError as err:
         raise CheckpointError(f"{path / 'config.json'}: {err}") from None
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CheckpointError(f"{path / 'config.json'}: malformed {fmt.name} config ({err!r})") from None
-    tensors = RenamedTensors(source, fmt, cfg)
+    tensors = RenamedTensors(source, fmt, cfg, stored)
     _check_tensors(cfg, tensors, path)
-    return DrafterCheckpoint(cfg, tensors, fmt.name, path, unknown)
+    problems = value_problems(cfg, tensors)
+    if problems and strict:
+        more = f" ({len(problems) - 1} more problem(s): run `eagle31-export inspect {path}`)" if len(problems) > 1 else ""
+        raise CheckpointError(f"drafter {path}: {problems[0]}{more}")
+    return DrafterCheckpoint(cfg, tensors, fmt.name, path, unknown, problems, prefix)
+
+
+# Prefixes training frameworks wrap a drafter's own names in (NeMo AutoModel saves `model.` + name).
+_WRAPPER_PREFIXES = ("model.",)
+_DRAFTER_HEADS = ("midlayer.", "layers.", "fc.", "fc_norm.", "input_norm.", "norm.", "embed_tokens.", "lm_head.",
+                  "d2t", "t2d")
+
+
+def _strip_prefix(names: list[str]) -> tuple[dict[str, str], str]:
+    """(name without a wrapper prefix -> stored name, the prefix removed or "").
+
+    A prefix is removed only when every drafter tensor carries it (buffers `d2t`/`t2d` and
+    `lm_head` may sit outside the wrapper) and removing it leaves drafter names."""
+    for prefix in _WRAPPER_PREFIXES:
+        wrapped = [n for n in names if n.startswith(prefix)]
+        if not wrapped:
+            continue
+        inner = {n[len(prefix):]: n for n in wrapped}
+        outside = [n for n in names if not n.startswith(prefix)]
+        if all(n in ("d2t", "t2d", "lm_head.weight") for n in outside) and \
+                all(k.startswith(_DRAFTER_HEADS) for k in inner) and not set(inner) & set(outside):
+            return {**inner, **{n: n for n in outside}}, prefix
+    return {n: n for n in names}, ""
 
 
 def _check_tensors(cfg: DrafterConfig, tensors: RenamedTensors, path: Path) -> None:
@@ -168,12 +225,52 @@ def _check_tensors(cfg: DrafterConfig, tensors: RenamedTensors, path: Path) -> N
     if "d2t" not in tensors and cfg.draft_vocab_size != cfg.vocab_size:
         raise CheckpointError(f"{path}: tensor 'd2t' missing, needed because draft_vocab_size "
                               f"{cfg.draft_vocab_size} != vocab_size {cfg.vocab_size}")
+
+
+def value_problems(cfg: DrafterConfig, tensors: RenamedTensors) -> list[str]:
+    """dtypes, NaN/Inf, all-zero norms (one streaming pass), then the vocabulary maps."""
+    from eagle31_export.formats.weight_checks import role_of, scan_checkpoint
+
+    roles, where = {}, {}
+    for name in tensors:
+        stored = tensors.by_canonical[name]
+        roles[stored] = ("index" if name == "d2t" else "mask" if name == "t2d"
+                         else role_of(name, len(tensors.shape(name))))
+        where[stored] = tensors.where(name)
+    problems = scan_checkpoint(tensors.source, roles, where).problems
+    if problems:
+        return problems  # the maps are read only when their dtypes are right
+    return _vocab_map_problems(cfg, tensors)
+
+
+def _vocab_map_problems(cfg: DrafterConfig, tensors: RenamedTensors) -> list[str]:
+    problems = []
+    d2t = None
     if "d2t" in tensors:
         d2t = tensors["d2t"].to(torch.int64)
-        top = int((torch.arange(d2t.numel()) + d2t).max())
-        if top >= cfg.vocab_size or int((torch.arange(d2t.numel()) + d2t).min()) < 0:
-            raise CheckpointError(f"{tensors.where('d2t')}: maps a draft token to target id {top}, "
-                                  f"outside the vocabulary of {cfg.vocab_size}")
+        targets = torch.arange(d2t.numel()) + d2t
+        low, high = int(targets.min()), int(targets.max())
+        if high >= cfg.vocab_size or low < 0:
+            bad = high if high >= cfg.vocab_size else low
+            problems.append(f"{tensors.where('d2t')}: maps a draft token to target id {bad}, "
+                            f"outside the vocabulary of {cfg.vocab_size}")
+            d2t = None
+        elif int(targets.unique().numel()) != targets.numel():
+            problems.append(f"{tensors.where('d2t')}: maps several draft tokens to the same target id; "
+                            "each draft token must stand for a different target token")
+            d2t = None
+    if "t2d" in tensors:
+        t2d = tensors["t2d"]
+        if t2d.dtype != torch.bool and bool(((t2d != 0) & (t2d != 1)).any()):
+            problems.append(f"{tensors.where('t2d')}: holds values other than 0 and 1; t2d marks target ids")
+        elif not bool(t2d.any()):
+            problems.append(f"{tensors.where('t2d')}: marks no target id; t2d must mark the "
+                            f"{cfg.draft_vocab_size} target ids the draft vocabulary covers")
+        elif d2t is not None and not torch.equal(t2d.to(torch.bool), t2d_from_d2t(d2t, cfg.vocab_size)):
+            count = int(t2d.to(torch.bool).sum())
+            problems.append(f"{tensors.where('t2d')}: marks {count} target ids that differ from those d2t maps to "
+                            f"({cfg.draft_vocab_size}); d2t and t2d do not belong together")
+    return problems
 
 
 def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -41,32 +41,78 @@ HF_BOOKKEEPING = {
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
+_REQUIRED = object()
+
+
+def _int(c: dict[str, Any], key: str, default: Any = _REQUIRED) -> int:
+    """An integer config value; a string, a bool or a fractional number is refused by name."""
+    value = c.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"lacks {key!r}, which every drafter config needs")
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(f"{key} is {value!r}; expected an integer")
+    return value
+
+
+def _float(c: dict[str, Any], key: str, default: float) -> float:
+    value = c.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointError(f"{key} is {value!r}; expected a number")
+    return float(value)
+
+
+def _str(c: dict[str, Any], key: str, default: str) -> str:
+    value = c.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise CheckpointError(f"{key} is {value!r}; expected a string")
+    return value
+
+
+def _object(c: dict[str, Any], key: str) -> dict[str, Any]:
+    """A nested config object (e.g. `eagle_config`); absent or null is empty."""
+    value = c.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{key} is a JSON {type(value).__name__}; expected an object")
+    return value
+
+
 def llama_fields(c: dict[str, Any]) -> dict[str, Any]:
     """Canonical fields from a Llama/DeepSeek-style flat config."""
-    try:
-        heads = int(c["num_attention_heads"])
-        hidden = int(c["hidden_size"])
-        out = dict(
-            hidden_size=hidden,
-            intermediate_size=int(c["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or hidden // heads),
-            vocab_size=int(c["vocab_size"]),
-            num_layers=int(c.get("num_hidden_layers", 1)),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=c.get("rope_scaling"),
-            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-            hidden_act=str(c.get("hidden_act", "silu")),
-            attention_bias=bool(c.get("attention_bias", False)),
-            torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "bfloat16"),
-        )
-    except KeyError as missing:
-        raise CheckpointError(f"config.json lacks {missing}, which every drafter config needs") from None
+    heads = _int(c, "num_attention_heads")
+    hidden = _int(c, "hidden_size")
+    rope_parameters = _object(c, "rope_parameters")
+    rope_scaling = c.get("rope_scaling")
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise CheckpointError(f"rope_scaling is {rope_scaling!r}; expected an object or null")
+    out = dict(
+        hidden_size=hidden,
+        intermediate_size=_int(c, "intermediate_size"),
+        num_attention_heads=heads,
+        num_key_value_heads=_int(c, "num_key_value_heads", heads),
+        head_dim=_int(c, "head_dim", hidden // heads if heads > 0 else 0),
+        vocab_size=_int(c, "vocab_size"),
+        num_layers=_int(c, "num_hidden_layers", 1),
+        rms_norm_eps=_float(c, "rms_norm_eps", 1e-6),
+        rope_theta=_float(c, "rope_theta", _float(rope_parameters, "rope_theta", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=_int(c, "max_position_embeddings", 2048),
+        hidden_act=_str(c, "hidden_act", "silu"),
+        attention_bias=_flag(c, "attention_bias"),
+        torch_dtype=_str(c, "torch_dtype", _str(c, "dtype", "bfloat16")),
+    )
     if c.get("kv_lora_rank"):
         out["attention"] = "mla"
-        out["mla"] = MlaConfig(**{k: (int(c[k]) if c.get(k) is not None else None) for k in MLA_KEYS})
+        out["mla"] = MlaConfig(**{k: (_int(c, k) if c.get(k) is not None else None) for k in MLA_KEYS})
     return out
 
 
@@ -101,13 +147,18 @@ LLAMA_KEYS = {
 
 
 def _flag(c: dict[str, Any], *names: str) -> bool:
+    """A boolean config flag (true/false, 0/1, or absent/null for false)."""
+    for n in names:
+        value = c.get(n)
+        if value is not None and value not in (True, False):  # 0 and 1 compare equal to the bools
+            raise CheckpointError(f"{n} is {value!r}; expected true or false")
     return any(bool(c.get(n, False)) for n in names)
 
 
 def _num_aux(c: dict[str, Any], ids: tuple[int, ...] | None) -> int:
     # vLLM's rule: num_aux_hidden_states, else the number of tapped ids, else 3.
-    if c.get("num_aux_hidden_states"):
-        return int(c["num_aux_hidden_states"])
+    if c.get("num_aux_hidden_states") is not None:
+        return _int(c, "num_aux_hidden_states")
     return len(ids) if ids else 3
 
 
@@ -116,8 +167,8 @@ def _flat_config(c: dict[str, Any], ids: tuple[int, ...] | None, **flags: bool) 
     flags.setdefault("norm_output", _flag(c, "norm_output"))
     return DrafterConfig(
         **llama_fields(c),
-        draft_vocab_size=int(c.get("draft_vocab_size", c["vocab_size"])),
-        target_hidden_size=c.get("target_hidden_size"),
+        draft_vocab_size=_int(c, "draft_vocab_size", _int(c, "vocab_size")),
+        target_hidden_size=_int(c, "target_hidden_size", None),
         aux_layer_ids=ids,
         num_aux_hidden_states=_num_aux(c, ids),
         norm_before_residual=_flag(c, "norm_before_residual"),
@@ -145,7 +196,12 @@ def _refuse(fmt: DrafterFormat, cfg: DrafterConfig) -> None:
 
 
 def _ids(value: Any) -> tuple[int, ...] | None:
-    return None if value is None else tuple(int(i) for i in value)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise CheckpointError(f"eagle_aux_hidden_state_layer_ids is {value!r}; expected a list of "
+                              "layer numbers")
+    return tuple(value)
 
 
 class DrafterFormat:
@@ -239,7 +295,7 @@ class SpecForgeFormat(EagleFormat):
     known = EagleFormat.known | {"eagle_config", "use_aux_norm"}
 
     def read_config(self, c):
-        eagle_cfg = c.get("eagle_config") or {}
+        eagle_cfg = _object(c, "eagle_config")
         ids = _ids(eagle_cfg.get("eagle_aux_hidden_state_layer_ids", c.get("eagle_aux_hidden_state_layer_ids")))
         cfg = _flat_config(c, ids, fc_norm=_flag(c, "fc_norm", "use_aux_norm"))  # sglang's alias
         unknown = _unknown(c, self.known) + [f"eagle_config.{k}" for k in eagle_cfg
@@ -272,11 +328,11 @@ class SpeculatorsFormat(DrafterFormat):
         ids = before_layer_to_output(ids) if ids is not None else None
         fields = llama_fields(layer)
         if c.get("torch_dtype") or c.get("dtype"):
-            fields["torch_dtype"] = str(c.get("torch_dtype") or c.get("dtype"))
+            fields["torch_dtype"] = _str(c, "torch_dtype", _str(c, "dtype", "bfloat16"))
         cfg = DrafterConfig(
             **fields,
-            draft_vocab_size=int(c.get("draft_vocab_size", layer["vocab_size"])),
-            target_hidden_size=c.get("target_hidden_size"),
+            draft_vocab_size=_int(c, "draft_vocab_size", fields["vocab_size"]),
+            target_hidden_size=_int(c, "target_hidden_size", None),
             aux_layer_ids=ids,
             num_aux_hidden_states=_num_aux(c, ids),
             fc_norm=_flag(c, "fc_norm"),
@@ -304,13 +360,18 @@ class SpeculatorsFormat(DrafterFormat):
             "fc_norm": cfg.fc_norm,
             "norm_output": cfg.norm_output,
             "torch_dtype": cfg.torch_dtype,
-            "speculators_config": cfg.extras.get("speculators_config") or {
+            "speculators_config": dict(cfg.extras.get("speculators_config") or {
                 "algorithm": "eagle3",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
                 "default_proposal_method": "greedy",
                 "verifier": {"name_or_path": None, "architectures": []},
-            },
+            }),
         }
+        # speculators' from_pretrained reads the verifier's config.json (a folder or hub id) and
+        # fails on null: the target the drafter is exported with, when known, is the verifier
+        # (docs/runtime-capabilities.md#the-speculators-library-as-a-consumer).
+        if cfg.extras.get("verifier"):
+            out["speculators_config"]["verifier"] = dict(cfg.extras["verifier"])
         if cfg.num_aux_hidden_states != 3:
             out["num_aux_hidden_states"] = cfg.num_aux_hidden_states
         return out
@@ -328,7 +389,7 @@ class ModelOptFormat(DrafterFormat):
                    "norm_before_fc", "return_hidden_post_norm", "eh_proj_before_attn", "eh_proj_bias"}
 
     def read_config(self, c):
-        e = c.get("eagle_config") or {}
+        e = _object(c, "eagle_config")
         ids = _ids(e.get("eagle_aux_hidden_state_layer_ids"))
         if e.get("use_aux_hidden_state") is False:
             raise CheckpointError("eagle_config.use_aux_hidden_state is false: an EAGLE-1/2 drafter, not EAGLE-3")
@@ -414,7 +475,7 @@ class TrtllmFormat(DrafterFormat):
         return f"midlayer.{rest}" if cfg.num_layers == 1 else f"midlayer.{layer}.{rest}"
 
     def read_config(self, c):
-        e = c.get("eagle_config") or {}
+        e = _object(c, "eagle_config")
         if e.get("use_aux_hidden_state") is False:
             raise CheckpointError("eagle_config.use_aux_hidden_state is false: an EAGLE-1/2 drafter, not EAGLE-3")
         ids = _ids(e.get("eagle_aux_hidden_state_layer_ids"))
@@ -458,19 +519,24 @@ FORMATS: dict[str, DrafterFormat] = {f.name: f for f in (EagleFormat(), SpecForg
 DRAFTER_ARCHITECTURES = {"LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"}
 
 
+def _architectures(c: dict[str, Any]) -> set[str]:
+    archs = c.get("architectures")
+    return {a for a in archs if isinstance(a, str)} if isinstance(archs, list) else set()
+
+
 def looks_like_drafter(c: dict[str, Any]) -> bool:
     """Whether a config.json is an EAGLE-3 drafter's (in any format here) rather than a target's.
 
     The markers `detect_format` then tells the formats apart by.
     """
-    archs = set(c.get("architectures") or [])
+    archs = _architectures(c)
     return bool(c.get("speculators_model_type") or "draft_vocab_size" in c or archs & DRAFTER_ARCHITECTURES
                 or "eagle_config" in c)
 
 
 def detect_format(c: dict[str, Any], tensor_names: list[str]) -> DrafterFormat:
     """Pick the format from config markers, with tensor prefixes breaking ties."""
-    archs = set(c.get("architectures") or [])
+    archs = _architectures(c)
     midlayer = any(n.startswith("midlayer.") for n in tensor_names)
     layers = any(n.startswith("layers.") for n in tensor_names)
     eagle_config = c.get("eagle_config") if isinstance(c.get("eagle_config"), dict) else {}
@@ -487,6 +553,11 @@ def detect_format(c: dict[str, Any], tensor_names: list[str]) -> DrafterFormat:
             return FORMATS["specforge"]
         if midlayer and "draft_vocab_size" in c:
             return FORMATS["eagle"]
+        if not (midlayer or layers):
+            example = sorted(tensor_names)[0] if tensor_names else "none"
+            raise CheckpointError(
+                f"cannot tell the drafter format: config.json declares an EAGLE-3 drafter, but no tensor is named "
+                f"midlayer.* or layers.* (first tensor: {example!r}); the weights do not belong to this config")
     raise CheckpointError(
         "cannot tell the drafter format: expected an EAGLE-3 config (draft_vocab_size with midlayer.* tensors, "
         "LlamaForCausalLMEagle3, speculators_model_type eagle3, a ModelOpt eagle_config, or a TensorRT-LLM "

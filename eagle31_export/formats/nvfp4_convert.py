@@ -18,7 +18,7 @@ from eagle31_export.formats.nvfp4_writer import (
     DEFAULT_MAX_SHARD_BYTES, LinearWriter, ProgressCallback, ShardedWriter, check_distinct, copy_side_files,
     tensor_steps,
 )
-from eagle31_export.formats.safetensors_io import atomic_output_dir
+from eagle31_export.formats.outputs import atomic_output_dir
 
 
 def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, to_format: Format, force: bool = False,
@@ -37,7 +37,7 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, to_format
     scheme = _target_scheme(ckpt, to_format)
     total = len(ckpt.headers)
     step = tensor_steps(progress, total, f"convert to {to_format}")
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_output_dir(out, force=force, inputs=[src]) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
         linears = LinearWriter(writer, scheme)
         for name, tensor in ckpt.iter_other_tensors():

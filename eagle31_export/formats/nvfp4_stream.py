@@ -9,7 +9,6 @@ pages touched through a mapping count in the process RSS until it is unmapped.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from dataclasses import dataclass
@@ -19,11 +18,8 @@ import torch
 from safetensors import safe_open
 
 from eagle31_export.errors import CheckpointError
-from eagle31_export.formats.safetensors_io import INDEX_NAME, read_json
+from eagle31_export.formats.safetensors_io import INDEX_NAME, read_header, read_json
 
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1,
-                "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
-                "I64": 8, "U64": 8, "F64": 8}
 # Hand out at most this many bytes through one mapping before reopening it.
 REOPEN_BYTES = 64 << 20
 # Ask the kernel to read this far ahead of the tensor being handed out.
@@ -47,39 +43,20 @@ def shard_files(folder: Path) -> list[Path]:
     """The shard files of a checkpoint folder (those its index names, else every *.safetensors)."""
     index = folder / INDEX_NAME
     if index.is_file():
-        weight_map = read_json(index).get("weight_map") or {}
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: malformed index; expected a 'weight_map' object of tensor name -> "
+                                  "shard file name")
         return [folder / s for s in sorted(set(weight_map.values())) if (folder / s).is_file()]
     return sorted(folder.glob("*.safetensors"))
 
 
 def read_shard_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     """Every tensor's dtype, shape and byte range, and the header metadata, checked against
-    the file size: a file cut short (interrupted download or copy) is named here precisely."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            header_len = struct.unpack("<Q", f.read(8))[0]
-            if header_len > size - 8:
-                raise ValueError(f"header of {header_len} bytes")
-            header = json.loads(f.read(header_len))
-        metadata = header.pop("__metadata__", None) or {}
-        base = 8 + header_len
-        entries = {name: TensorEntry(path, v["dtype"], list(v["shape"]), base + v["data_offsets"][0],
-                                     base + v["data_offsets"][1]) for name, v in header.items()}
-    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
-        raise CheckpointError(f"{path}: not a safetensors file or truncated in its header ({err}); "
-                              "re-download or re-export it") from None
-    end = max((e.end for e in entries.values()), default=base)
-    if size < end:
-        raise CheckpointError(f"{path}: truncated: the header describes {end - base} bytes of tensor data, the file "
-                              f"holds {size - base}; re-download or re-export it")
-    for name, e in entries.items():
-        expected = _DTYPE_BYTES.get(e.dtype, 0)
-        for dim in e.shape:
-            expected *= dim
-        if e.dtype in _DTYPE_BYTES and e.nbytes != expected:
-            raise CheckpointError(f"{path}: {name} is {e.dtype} {e.shape} but occupies {e.nbytes} bytes; "
-                                  "the file is damaged: re-download or re-export it")
+    the file size (`safetensors_io.read_header`): a file cut short (interrupted download or
+    copy) is named here precisely."""
+    found, metadata = read_header(path)
+    entries = {name: TensorEntry(path, e.dtype, list(e.shape), e.begin, e.end) for name, e in found.items()}
     return entries, metadata
 
 

@@ -15,19 +15,25 @@ def read_prompts(path: str | os.PathLike, model_dir: str | os.PathLike, vocab_si
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such prompts file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text (byte {err.start}); expected JSONL, one object per line") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read ({err.strerror or err})") from None
     tokenizer = None
     prompts: list[list[int]] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, RecursionError) as err:
             raise UserError(f"{where}: not JSON ({err}); each line must be an object with 'prompt_ids' or 'text'") from None
         if isinstance(row, dict) and "prompt_ids" in row:
             ids = row["prompt_ids"]
-            if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
+            if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
                 raise UserError(f"{where}: 'prompt_ids' must be a non-empty list of integers")
         elif isinstance(row, dict) and isinstance(row.get("text"), str):
             tokenizer = tokenizer or load_tokenizer(model_dir, f"{where} has 'text': give 'prompt_ids' instead")

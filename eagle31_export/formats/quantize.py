@@ -30,7 +30,8 @@ from eagle31_export.formats.nvfp4_writer import (
     DEFAULT_MAX_SHARD_BYTES, LinearWriter, ProgressCallback, ShardedWriter, check_distinct, copy_side_files,
     tensor_steps,
 )
-from eagle31_export.formats.safetensors_io import SafetensorsDir, atomic_output_dir, read_json
+from eagle31_export.formats.outputs import atomic_output_dir, check_output
+from eagle31_export.formats.safetensors_io import SafetensorsDir, read_json
 
 # Linears kept in high precision by default, as ModelOpt's NVFP4_DEFAULT_CFG does (output
 # head, MoE routers, vision towers, MTP heads). Embeddings and norms are not Linears.
@@ -53,8 +54,10 @@ class QuantizeResult:
 def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, fmt: Format = "modelopt",
                         exclude: tuple[str, ...] | list[str] = (), prompts: list[list[int]] | None = None,
                         force: bool = False, progress: ProgressCallback | None = None,
-                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> QuantizeResult:
-    """Quantize `model_dir` to NVFP4 in `fmt` at `out` (written atomically).
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                        inputs: tuple[str | os.PathLike, ...] = ()) -> QuantizeResult:
+    """Quantize `model_dir` to NVFP4 in `fmt` at `out` (written atomically). `inputs`: other files
+    the caller read (a calibration prompts file): `out` may not touch them either.
 
     An NVFP4 `model_dir` is converted to `fmt` instead (lossless); it cannot be re-quantized.
     `progress(done, total, description)` is told about every tensor written (see ProgressCallback);
@@ -64,6 +67,7 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, fm
         raise UserError(f"unknown NVFP4 format {fmt!r}; use one of {', '.join(FORMATS)}")
     model_dir = Path(model_dir)
     check_distinct(model_dir, Path(out))
+    check_output(out, force, [model_dir, *inputs])  # before the (slow) calibration
     config = read_json(model_dir / "config.json")
     if detect_scheme(model_dir, config) is not None:
         if exclude or prompts:
@@ -72,13 +76,11 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, fm
         convert_checkpoint(model_dir, out, fmt, force=force, progress=progress, max_shard_bytes=max_shard_bytes)
         return QuantizeResult(Path(out), fmt, notes=[f"{model_dir} was already NVFP4: converted to {fmt}"])
 
-    if Path(out).exists() and not force:  # fail before the (slow) calibration
-        raise UserError(f"{out} already exists; choose another --out or pass --force to replace it")
     source = SafetensorsDir(model_dir)
     plan = _plan(model_dir, config, source, list(exclude), prompts)
     scheme = QuantScheme(fmt, tuple(plan.excluded))
     step = tensor_steps(progress, len(source), "quantize")
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_output_dir(out, force=force, inputs=[model_dir, *inputs]) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
         linears = LinearWriter(writer, scheme)
         done: set[str] = set()

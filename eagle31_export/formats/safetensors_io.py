@@ -1,13 +1,20 @@
-"""Lazy, streaming access to (possibly sharded) safetensors checkpoints, and atomic writes."""
+"""Lazy, streaming access to (possibly sharded) safetensors checkpoints, and atomic writes.
+
+Every shard header is read and checked before any tensor is (`read_header`): its length
+against the file size, before the JSON is parsed; every tensor's dtype, shape and byte range;
+the ranges tiling the data exactly. A damaged or truncated file is named in one line here, not
+deep inside a loader.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import math
 import os
-import shutil
-import tempfile
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
@@ -20,18 +27,111 @@ from eagle31_export.errors import CheckpointError
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "pytorch_model.pt")
+# The safetensors library refuses headers above 100 MB; so does this reader, before reading one.
+MAX_HEADER_BYTES = 100_000_000
+# Bytes per element of each safetensors dtype (None: sub-byte types, whose size is not checked).
+DTYPE_BYTES: dict[str, int | None] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "C64": 8, "I64": 8, "U64": 8, "F64": 8,
+    "F4": None, "F6_E2M3": None, "F6_E3M2": None,
+}
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor as its shard header declares it; `begin`/`end` are absolute file offsets."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
+    """Every tensor's dtype, shape and byte range, and the header metadata, all checked.
+
+    The header length is checked against the file size before anything is parsed; the JSON must
+    be an object of well-formed entries whose byte ranges tile the data exactly, as the
+    safetensors format requires; a file shorter than its header declares is reported as truncated.
+    """
+    path = Path(path)
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: not a valid safetensors file ({what}); re-download or re-save it")
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise bad(f"{size} bytes, shorter than the 8-byte header length")
+            header_len = struct.unpack("<Q", prefix)[0]
+            if header_len > min(size - 8, MAX_HEADER_BYTES):
+                raise bad(f"header length {header_len} bytes, but the file holds {size} bytes"
+                          if header_len > size - 8 else f"header length {header_len} bytes, above the 100 MB limit")
+            raw = f.read(header_len)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise bad(f"header is not JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise bad(f"header is a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad("__metadata__ is not an object of strings")
+    base = 8 + header_len
+    entries: dict[str, HeaderEntry] = {}
+    for name, v in header.items():
+        entries[name] = _entry(name, v, base, bad)
+    cursor = 0
+    for name, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if e.begin - base != cursor:
+            raise bad(f"tensor {name!r} starts at data byte {e.begin - base}, expected {cursor} "
+                      "(tensor data overlaps or leaves a gap)")
+        cursor = e.end - base
+    if size < base + cursor:
+        raise CheckpointError(f"{path}: truncated ({size} bytes, the header declares {base + cursor}); it holds "
+                              f"{max(size - base, 0)} of {cursor} bytes of tensor data: re-download or re-save it")
+    if size > base + cursor:
+        raise bad(f"{size - base - cursor} bytes after the last tensor")
+    return entries, metadata
+
+
+def _entry(name: str, v, base: int, bad) -> HeaderEntry:
+    if not isinstance(v, dict):
+        raise bad(f"entry {name!r} is not an object")
+    dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        raise bad(f"tensor {name!r} has unknown dtype {dtype!r}")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise bad(f"tensor {name!r} has shape {shape!r}; expected a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"tensor {name!r} has data_offsets {offsets!r}; expected [begin, end] with 0 <= begin <= end")
+    width = DTYPE_BYTES[dtype]
+    nbytes = offsets[1] - offsets[0]
+    if width is not None and nbytes != math.prod(shape) * width:
+        raise bad(f"tensor {name!r} is {dtype} {shape} ({math.prod(shape) * width} bytes) but occupies {nbytes} bytes")
+    return HeaderEntry(dtype, tuple(shape), base + offsets[0], base + offsets[1])
 
 
 class SafetensorsDir(Mapping[str, torch.Tensor]):
     """A read-only mapping name -> tensor over every shard of a checkpoint folder.
 
-    Tensors are read one at a time on access (`safe_open`), so memory does not grow with
-    model size. Shapes and dtypes are available without reading data.
+    Every shard header is read and checked once on construction (`read_header`); tensors are
+    read one at a time on access (`safe_open`), so memory does not grow with model size.
+    Shapes and dtypes are available without reading data.
     """
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
-        self._where = _tensor_locations(self.folder)
+        self._where, self.headers = _tensor_locations(self.folder)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:
@@ -51,9 +151,11 @@ class SafetensorsDir(Mapping[str, torch.Tensor]):
         return self.folder / self._where[name]
 
     def shape_and_dtype(self, name: str) -> tuple[list[int], str]:
-        with _open(self.file_of(name)) as f:
-            sl = f.get_slice(name)
-            return list(sl.get_shape()), str(sl.get_dtype())
+        entry = self.headers[name]
+        return list(entry.shape), entry.dtype
+
+    def nbytes(self) -> int:
+        return sum(e.end - e.begin for e in self.headers.values())
 
     def iter_shards(self) -> Iterator[tuple[Path, list[str]]]:
         """(shard path, tensor names) in file order, for streaming passes."""
@@ -62,6 +164,40 @@ class SafetensorsDir(Mapping[str, torch.Tensor]):
             by_shard.setdefault(shard, []).append(name)
         for shard in sorted(by_shard):
             yield self.folder / shard, by_shard[shard]
+
+    def iter_chunks(self, names: list[str] | None = None, chunk_bytes: int = 64 << 20
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, piece) over the tensors in file order, each cut along its first dimension into
+        pieces of about `chunk_bytes`: a pass over every value with memory bounded by one piece.
+
+        The file mapping is reopened every `chunk_bytes` bytes: pages read through a mapping
+        count in the process RSS until it is unmapped."""
+        wanted = None if names is None else set(names)
+        for shard, shard_names in self.iter_shards():
+            todo = sorted((n for n in shard_names if wanted is None or n in wanted), key=lambda n: self.headers[n].begin)
+            handed_out, f, ctx = 0, None, None
+            try:
+                for name in todo:
+                    entry = self.headers[name]
+                    if f is None or handed_out >= chunk_bytes:
+                        if ctx is not None:
+                            ctx.__exit__(None, None, None)
+                        ctx = _open(shard)
+                        f, handed_out = ctx.__enter__(), 0
+                    handed_out += entry.end - entry.begin
+                    width = DTYPE_BYTES[entry.dtype] or 1
+                    rows = entry.shape[0] if entry.shape else 1
+                    row_bytes = (entry.numel // rows if rows else 0) * width
+                    if not entry.shape or row_bytes * rows <= chunk_bytes:
+                        yield name, f.get_tensor(name)
+                        continue
+                    step = max(1, chunk_bytes // max(row_bytes, 1))
+                    piece = f.get_slice(name)
+                    for start in range(0, rows, step):
+                        yield name, piece[start:start + step]
+            finally:
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
 
 
 @contextlib.contextmanager
@@ -77,59 +213,80 @@ def _open(path: Path):
 
 
 def check_complete(path: Path) -> None:
-    """A shard's size must match what its header declares: a truncated download fails here, by name."""
-    try:
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({err}); re-save or re-download it") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    expected, found = 8 + header_len + end, path.stat().st_size
-    if found < expected:
-        raise CheckpointError(f"{path}: truncated ({found} bytes, the header declares {expected}); "
-                              "re-download or re-save the checkpoint")
+    """A shard's header must be valid and its size match what the header declares: a truncated
+    download fails here, by name."""
+    read_header(path)
 
 
-def _tensor_locations(folder: Path) -> dict[str, str]:
+def pickle_refusal(folder: Path, pickle_name: str) -> CheckpointError:
+    return CheckpointError(
+        f"{folder}: only pickle weights ({pickle_name}), which are not unpickled for safety; convert the checkpoint "
+        f"to safetensors with `eagle31-export convert {folder} --out DIR`"
+    )
+
+
+def _tensor_locations(folder: Path) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint folder")
     index = folder / INDEX_NAME
+    headers: dict[str, HeaderEntry] = {}
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
-            raise CheckpointError(f"{index}: malformed index ({err}); expected a 'weight_map' object") from None
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise CheckpointError(f"{index}: malformed index; expected a 'weight_map' object of tensor name -> "
+                                  "shard file name")
+        in_shard: dict[str, dict[str, HeaderEntry]] = {}
         for shard in sorted(set(weight_map.values())):
+            if Path(shard).name != shard or shard in (".", ".."):
+                raise CheckpointError(f"{index}: shard name {shard!r} is not a file name in {folder}")
             if not (folder / shard).is_file():
                 raise CheckpointError(f"{index}: names shard {shard}, which is missing from {folder}")
-            check_complete(folder / shard)
-        return dict(weight_map)
+            in_shard[shard] = read_header(folder / shard)[0]
+        for name, shard in weight_map.items():
+            if name not in in_shard[shard]:
+                raise CheckpointError(f"{index}: places tensor {name!r} in {shard}, which does not contain it; "
+                                      "the index and the shards do not belong together")
+            headers[name] = in_shard[shard][name]
+        return dict(weight_map), headers
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
     if not shards:
         pickles = [n for n in PICKLE_NAMES if (folder / n).exists()]
         if pickles:
-            raise CheckpointError(
-                f"{folder}: only pickle weights ({pickles[0]}); pickle is not loaded for safety: "
-                "convert the checkpoint to safetensors first"
-            )
+            raise pickle_refusal(folder, pickles[0])
         raise CheckpointError(f"{folder}: no *.safetensors weights found")
     where: dict[str, str] = {}
     for shard in shards:
-        check_complete(folder / shard)
-        with _open(folder / shard) as f:
-            for name in f.keys():
-                where[name] = shard
-    return where
+        found = read_header(folder / shard)[0]
+        for name, entry in found.items():
+            if name in where:
+                raise CheckpointError(f"{folder}: tensor {name!r} is stored twice ({where[name]} and {shard}); "
+                                      "remove the stale shard")
+            where[name] = shard
+            headers[name] = entry
+    return where, headers
 
 
 def read_json(path: Path) -> dict:
+    """A JSON object from a file (configs, indexes, records): anything else is one clear error."""
+    path = Path(path)
     try:
-        return json.loads(Path(path).read_text())
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        obj = json.loads(text)
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: a JSON {type(obj).__name__}; expected an object {{...}}")
+    return obj
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -169,57 +326,16 @@ def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def write_manifest(folder: Path) -> None:
-    """manifest.json: sha256 and size of every file in the folder (recursively)."""
-    folder = Path(folder)
-    files = {}
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and p.name != "manifest.json":
-            files[str(p.relative_to(folder))] = {"sha256": sha256_of(p), "bytes": p.stat().st_size}
-    write_json(folder / "manifest.json", {"files": files})
+def write_manifest(folder: Path, references=None) -> None:
+    """manifest.json of an output folder: see `formats/outputs.py`, where outputs are defined."""
+    from eagle31_export.formats.outputs import write_manifest as write
+
+    write(folder, references)
 
 
-@contextlib.contextmanager
-def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it is renamed to `out` with a manifest.
+def atomic_output_dir(out: str | os.PathLike, force: bool = False, inputs=(), references=None):
+    """Build an output in a temporary sibling and move it into place when complete: the context
+    manager of `formats/outputs.py` (where --out safety, --force replacement and manifests live)."""
+    from eagle31_export.formats.outputs import atomic_output_dir as atomic
 
-    On any error the temporary folder is removed and `out` is untouched: nothing half-written.
-    """
-    from eagle31_export.errors import UserError
-
-    out = Path(out)
-    if out.exists() and not force:
-        raise UserError(f"{out} already exists; choose another --out or pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        write_manifest(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the result is an ordinary folder
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-@contextlib.contextmanager
-def built_in_place(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """Like `atomic_output_dir`, but built at its final path: for outputs whose files record their
-    own absolute paths (serving bundles name their drafter folder). On any error the folder is
-    removed, so a failed run still leaves nothing half-written."""
-    from eagle31_export.errors import UserError
-
-    out = Path(out)
-    if out.exists():
-        if not force:
-            raise UserError(f"{out} already exists; choose another --out or pass --force to replace it")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    try:
-        yield out
-        write_manifest(out)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
+    return atomic(out, force, inputs, references)

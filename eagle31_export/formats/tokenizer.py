@@ -27,3 +27,7 @@ def load_tokenizer(folder: str | os.PathLike, needed_for: str | None = None):
         if needed_for is None:
             return None
         raise UserError(f"{folder} has no tokenizer; {needed_for}") from None
+    except Exception as err:  # tokenizer files are parsed by `tokenizers` (Rust), whose errors are plain Exceptions
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UserError(f"{folder}: its tokenizer files cannot be read ({first}); re-save them, or "
+                        f"{needed_for or 'pass token ids instead'}") from None

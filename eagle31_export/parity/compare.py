@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from eagle31_export.errors import UserError
+from eagle31_export.parity.diagnose import per_depth_sides
 from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
 from eagle31_export.runtime.registry import Speculator
 
@@ -60,6 +61,8 @@ class ParityReport:
     mode: str = "autoregressive"
     rows: list[PromptRow] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    # per draft depth, both sides: teacher-forced agreement/acceptance and fed-back state RMS (parity/diagnose.py)
+    per_depth: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -74,7 +77,7 @@ class ParityReport:
                 "temperature": self.temperature, "exact_comparison": self.exact,
                 "thresholds": asdict(self.thresholds), "tau_reference": self.tau("reference"),
                 "tau_runtime": self.tau("runtime"), "failures": self.failures,
-                "prompts": [asdict(r) for r in self.rows]}
+                "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth}
 
 
 def _symptom(ref: SpecResult, run: SpecResult, round_index: int | None, logits_diff: float | None,
@@ -131,10 +134,11 @@ MODES = ("replay", "autoregressive")
 def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[int]], depth: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, exact: bool | None = None,
                thresholds: Thresholds = Thresholds(), on_prompt: Callable[[int], None] | None = None,
-               mode: str | None = None) -> ParityReport:
+               mode: str | None = None, per_depth_positions: int = 8) -> ParityReport:
     """`mode` "replay" (greedy only; the default there): the reference drafter is replayed at the
     runtime's round boundaries with one target forward per prompt; "autoregressive": the reference
-    runs its own loop (the only mode for sampling)."""
+    runs its own loop (the only mode for sampling). `per_depth_positions` > 0: also measure both
+    sides per draft depth at that many positions per prompt (`per_depth_sides`)."""
     mode = mode or ("replay" if temperature == 0 and hasattr(reference, "replay") else "autoregressive")
     if mode not in MODES:
         raise UserError(f"unknown parity mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -158,6 +162,8 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
         if on_prompt:
             on_prompt(i)
     report.failures = _failures(report)
+    if per_depth_positions:
+        report.per_depth = per_depth_sides(reference, runtime, prompts, depth, per_depth_positions)
     return report
 
 

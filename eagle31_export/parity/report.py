@@ -5,14 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eagle31_export.formats.outputs import atomic_output_dir
 from eagle31_export.parity.compare import ParityReport
 
 
-def write_report(report: ParityReport, folder: Path) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    (folder / "report.md").write_text(markdown(report))
-    return [folder / "report.json", folder / "report.md", *plots(report, folder)]
+def write_report(report: ParityReport, folder: Path, force: bool = False, inputs=()) -> list[Path]:
+    """The report folder, written atomically like every output (`formats/outputs.py`); `inputs`:
+    what the parity run read, which `folder` may not touch."""
+    folder = Path(folder)
+    with atomic_output_dir(folder, force=force, inputs=inputs) as tmp:
+        (tmp / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        (tmp / "report.md").write_text(markdown(report))
+        names = [p.name for p in plots(report, tmp)]
+    return [folder / "report.json", folder / "report.md", *(folder / n for n in names)]
 
 
 def markdown(report: ParityReport) -> str:
@@ -46,9 +51,31 @@ def markdown(report: ParityReport) -> str:
                   + (f"; {worst.symptom}" if worst.symptom else "") + ")", ""]
     if report.failures:
         lines += ["## Failures", ""] + [f"- {f}" for f in report.failures] + [""]
+    lines += per_depth_lines(report)
     lines += ["Thresholds: " + ", ".join(f"{k}={v}" for k, v in report.to_json()["thresholds"].items()),
-              "", "Plots: `acceptance_by_position.png`, `tau_per_prompt.png`, `tau_vs_context.png`.", ""]
+              "", "Plots: `acceptance_by_position.png`, `tau_per_prompt.png`, `tau_vs_context.png`"
+              + (", `per_depth.png`" if report.per_depth else "") + ".", ""]
     return "\n".join(lines)
+
+
+def per_depth_lines(report: ParityReport) -> list[str]:
+    """Both sides per draft depth (teacher-forced): agreement and the RMS of the fed-back state."""
+    per = report.per_depth
+    if not per:
+        return []
+    ref, run = per["reference"], per["runtime"]
+    lines = [f"## Per draft depth (teacher-forced, {per['positions_per_prompt']} positions per prompt)", ""]
+    for side, data in (("reference", ref), (report.runtime, run)):
+        if "unavailable" in data:
+            lines.append(f"{side}: not measured ({data['unavailable']})")
+    if "unavailable" in ref or "unavailable" in run:
+        return lines + [""]
+    lines += ["| depth | agreement reference | agreement runtime | fed-back RMS reference | fed-back RMS runtime |",
+              "|---|---|---|---|---|"]
+    for k in range(report.depth):
+        lines.append(f"| {k + 1} | {ref['agreement'][k]:.3f} | {run['agreement'][k]:.3f} "
+                     f"| {ref['fed_back_rms'][k]:.4g} | {run['fed_back_rms'][k]:.4g} |")
+    return lines + [""]
 
 
 def plots(report: ParityReport, folder: Path) -> list[Path]:
@@ -85,7 +112,41 @@ def plots(report: ParityReport, folder: Path) -> list[Path]:
     ax.set(xlabel="prompt length (tokens)", ylabel="tau", title="Acceptance length vs context length")
     ax.legend()
     paths.append(_save(fig, folder / "tau_vs_context.png"))
+    if report.per_depth:
+        paths.append(_per_depth_plot(report, folder / "per_depth.png"))
     return paths
+
+
+def _per_depth_plot(report: ParityReport, path: Path) -> Path:
+    """Agreement and fed-back state RMS per draft depth, both sides: a runtime that feeds back the
+    wrong state (pre- instead of post-norm) draws a different RMS curve (log scale: the two differ
+    by the hidden state's magnitude)."""
+    import matplotlib.pyplot as plt
+
+    depth = list(range(1, report.depth + 1))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    sides = (("reference", report.per_depth["reference"], "o-"),
+             (report.runtime, report.per_depth["runtime"], "x--"))
+    for label, data, style in sides:
+        if "unavailable" in data:
+            continue
+        left.plot(depth, data["agreement"], style, label=label)
+        right.plot(depth, data["fed_back_rms"], style, label=label)
+    left.set(xlabel="draft depth", ylabel="agreement with the target", ylim=(0, 1.05), xticks=depth,
+             title="Teacher-forced agreement per depth")
+    right.set(xlabel="draft depth", ylabel="RMS", yscale="log", xticks=depth,
+              title="State fed back into the next step")
+    from matplotlib.ticker import ScalarFormatter
+
+    for axis in (right.yaxis.set_major_formatter, right.yaxis.set_minor_formatter):
+        axis(ScalarFormatter())
+    for ax in (left, right):
+        if ax.lines:
+            ax.legend()
+    missing = [f"{label}: {data['unavailable']}" for label, data, _ in sides if "unavailable" in data]
+    if missing:
+        fig.text(0.01, 0.01, "not measured: " + "; ".join(missing)[:200], fontsize=7, color="grey")
+    return _save(fig, path)
 
 
 def _pooled(report: ParityReport, side: str, pos: int) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from eagle31_export.errors import UserError
+from eagle31_export.formats.outputs import MANIFEST, check_artifacts
 from eagle31_export.formats.prompts import read_prompts
 from eagle31_export.formats.target import read_target_info
 from eagle31_export.parity.compare import ParityReport, run_parity
@@ -24,13 +25,25 @@ from eagle31_export.runtime.registry import LoadOptions, PairSource, load_specul
 
 
 def bundle_sources(bundle: Path) -> tuple[Path | None, Path | None]:
-    """The drafter/target an `export onnx` folder was exported from, where it records them."""
+    """The drafter/target an `export onnx` folder was exported from, where it records them
+    (absolute, or relative to the folder)."""
     meta = bundle / "graphs.json"
     if meta.is_file():
         src = json.loads(meta.read_text()).get("source", {})
-        return (Path(src["drafter"]) if src.get("drafter") else None,
-                Path(src["target"]) if src.get("target") else None)
+        return (bundle / src["drafter"] if src.get("drafter") else None,
+                bundle / src["target"] if src.get("target") else None)
     return None, None
+
+
+def check_bundle(bundle: Path, drafter: Path | None, target: Path | None) -> None:
+    """Refuse exported artifacts that changed since they were written, before loading them: every
+    file by sha256, and (by size and header) the checkpoints the record names that this run takes
+    from it, i.e. those not given with --drafter / --target. Folders this tool did not write (a
+    plain drafter checkpoint) have nothing to check against."""
+    ours = any((bundle / name).is_file() for name in (MANIFEST, "graphs.json", "bundle.json"))
+    if ours:
+        check_artifacts(bundle, references=[role for role, given in (("drafter", drafter), ("target", target))
+                                            if given is None])
 
 
 def default_prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list[int]]:
@@ -41,12 +54,19 @@ def default_prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list
 
 def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target: Path | None, url: str | None,
                  prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                 progress=None, mode: str | None = None) -> ParityReport:
+                 progress=None, mode: str | None = None, capture: Path | None = None) -> ParityReport:
     """The whole parity check: both sides from the registry, the prompts, the comparison.
-    `progress(total)` returns a per-prompt callback (the CLI draws it)."""
+    `progress(total)` returns a per-prompt callback (the CLI draws it). With `capture` (instead of
+    `target`) both sides read the target's outputs from it and the prompts are the captured ones."""
     runtime_named(runtime)  # an unknown name fails before anything loads
     if bundle is not None and not bundle.is_dir():
         raise UserError(f"{bundle}: no such bundle folder")
+    if bundle is not None:
+        check_bundle(bundle, drafter, target or capture)
+    if capture is not None:
+        return _parity_on_capture(runtime, bundle, drafter or (bundle_sources(bundle)[0] if bundle else None), capture,
+                                  url, prompts_file, depth, max_new_tokens, temperature, seed, progress, mode,
+                                  target)
     src_drafter, src_target = bundle_sources(bundle) if bundle else (None, None)
     drafter, target = drafter or src_drafter, target or src_target
     if drafter is None or target is None:
@@ -58,6 +78,41 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     with tempfile.TemporaryDirectory(prefix="eagle31-parity-") as workdir:  # an on-the-fly export lives here
         reference = load_speculator("reference", PairSource.of(drafter, target), options)
         other = load_speculator(runtime, PairSource.of(drafter, target, bundle, url), options, workdir)
+        on_prompt = progress(len(prompts)) if progress else None
+        return run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
+                          on_prompt=on_prompt, mode=mode)
+
+
+def capture_prompts(capture, prompts_file: Path | None) -> list[list[int]]:
+    """The captured prompts, or those of `prompts_file`, each of which the capture must hold."""
+    if prompts_file is None:
+        return capture.prompts()
+    prompts = read_prompts(prompts_file, capture.target_path, capture.vocab_size)
+    for n, prompt in enumerate(prompts):
+        capture.require(prompt, f"{prompts_file} prompt {n + 1}")
+    return prompts
+
+
+def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, capture_dir: Path, url: str | None,
+                       prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float, seed: int,
+                       progress, mode: str | None, target: Path | None) -> ParityReport:
+    from eagle31_export.formats.capture import Capture
+
+    if target is not None:
+        raise UserError("pass --target or --capture, not both")
+    if temperature != 0:
+        raise UserError("a capture holds the target's greedy continuations only: parity from --capture runs at "
+                        "--temperature 0 (give --target to compare sampling)")
+    if drafter is None:
+        raise UserError("parity needs the reference drafter: pass --drafter D")
+    capture = Capture.open(capture_dir)
+    capture.serves(max_new_tokens, depth)
+    prompts = capture_prompts(capture, prompts_file)
+    options = LoadOptions(dtype=torch.float32)
+    with tempfile.TemporaryDirectory(prefix="eagle31-parity-") as workdir:  # an on-the-fly export lives here
+        reference = load_speculator("reference", PairSource.of(drafter, capture=capture_dir), options)
+        other = load_speculator(runtime, PairSource.of(drafter, None, bundle, url, capture=capture_dir), options,
+                                workdir)
         on_prompt = progress(len(prompts)) if progress else None
         return run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
                           on_prompt=on_prompt, mode=mode)

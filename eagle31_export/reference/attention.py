@@ -12,11 +12,17 @@ from eagle31_export.reference.rope import apply_rope, attention_factor, cos_sin,
 
 
 class KVCache:
-    """Per-layer key/value tensors [B, heads, S, dim], appended per call, cropped on rejection."""
+    """Per-layer key/value tensors [B, heads, S, dim], appended per call, cropped on rejection.
+
+    `recorder` (opt-in, None by default): a callable `recorder(layer_id, probs)` that receives each
+    attention call's softmax probabilities [B, heads, T, S] (`diagnose` measures where the drafter
+    looks). The attention output is computed as without it, so recording changes no numerics.
+    """
 
     def __init__(self) -> None:
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
+        self.recorder = None
 
     def length(self, layer: int = 0) -> int:
         """Cached positions of `layer`; layer 0 by default (all layers agree between calls)."""
@@ -43,6 +49,20 @@ def causal_mask(q_len: int, past: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask [q_len, past + q_len]: query j sees every cached key and new keys <= j."""
     allowed = torch.ones(q_len, past + q_len, dtype=torch.bool).tril(diagonal=past)
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+
+
+def attention_probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) [B, heads, T, S], the weights `scaled_dot_product_attention` applies."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale + mask.double()
+    return torch.softmax(scores, dim=-1)
+
+
+def _attend(cache: KVCache, layer_id: int, q, k, v, past: int, scale: float) -> torch.Tensor:
+    mask = causal_mask(q.shape[2], past, q.dtype)
+    recorder = getattr(cache, "recorder", None)  # any cache object with keys/values will do
+    if recorder is not None:
+        recorder(layer_id, attention_probabilities(q, k, mask, scale))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class GqaAttention(nn.Module):
@@ -73,7 +93,7 @@ class GqaAttention(nn.Module):
         k, v = cache.append(self.layer_id, k, v)
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, past, q.dtype), scale=self.softmax_scale)
+        out = _attend(cache, self.layer_id, q, k, v, past, self.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -121,7 +141,7 @@ class MlaAttention(nn.Module):
         past = cache.length(self.layer_id)
         k, v = cache.append(self.layer_id, torch.cat([k_nope, k_pe], -1), v)
         q = torch.cat([q_nope, q_pe], -1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, past, q.dtype), scale=self.softmax_scale)
+        out = _attend(cache, self.layer_id, q, k, v, past, self.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, h * m.v_head_dim))
 
 

@@ -1,6 +1,6 @@
 """Reference EAGLE-3 / EAGLE 3.1 drafter: the PyTorch source of truth.
 
-One step (FACTS.md sections 1-2), for the first drafter layer:
+One step (docs/drafter-formats.md#architecture, docs/eagle31.md), for the first drafter layer:
 
     g        = fc(cat(fc_norm_i(a_i)))          first step only; later steps: g = fed-back state
     residual = hidden_norm(g) if norm_before_residual else g
@@ -73,6 +73,13 @@ class DraftStep:
     logits: torch.Tensor  # [B, T, draft_vocab]
     normed: torch.Tensor  # [B, T, H], the lm_head input
     fed_back: torch.Tensor  # [B, T, H], the state the next step consumes
+    residual: torch.Tensor | None = None  # the last layer's h1 and MLP update, kept so that
+    update: torch.Tensor | None = None  # `pre_norm` costs nothing unless asked for
+
+    @property
+    def pre_norm(self) -> torch.Tensor:
+        """h = residual + update [B, T, H], before the final norm (what EAGLE-3 feeds back)."""
+        return self.residual + self.update
 
 
 class Eagle3Drafter(nn.Module):
@@ -118,7 +125,7 @@ class Eagle3Drafter(nn.Module):
         h1, update = self.layers[-1](x, g, positions, cache)
         normed, fed_back = self.kernels.post_norm_feedback(h1, update, self.norm.weight, self.cfg.rms_norm_eps,
                                                            self.cfg.norm_output)
-        return DraftStep(self.lm_head(normed), normed, fed_back)
+        return DraftStep(self.lm_head(normed), normed, fed_back, h1, update)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """d2t is an offset table: target_id = d + d2t[d]."""

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from eagle31_export.errors import UserError
 from eagle31_export.reference.attention import KVCache
 from eagle31_export.reference.drafter import Eagle3Drafter
 from eagle31_export.reference.statistics import acceptance_length, per_position_acceptance
@@ -190,12 +191,23 @@ class _Sampler:
         return len(drafts), self.pick(target_logits[len(drafts)])
 
 
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int, what: str = "prompt") -> None:
+    """Refuse token ids the target's embedding has no row for (one line naming the first)."""
+    bad = [i for i in prompt_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size]
+    if bad:
+        raise UserError(f"{what}: token id {bad[0]!r} is outside the target's vocabulary (0..{vocab_size - 1})")
+
+
 def speculate(target: TargetBackend, drafter: DrafterBackend, prompt_ids: list[int], max_new_tokens: int,
               depth: int, temperature: float = 0.0, seed: int = 0, stop_ids: tuple[int, ...] = (),
               observer: LoopObserver | None = None) -> SpecResult:
     """Generate up to `max_new_tokens` with chain drafts of length `depth`."""
     if depth < 1 or max_new_tokens < 1 or not prompt_ids:
-        raise ValueError("depth and max_new_tokens must be >= 1 and the prompt non-empty")
+        raise UserError(f"depth ({depth}) and max_new_tokens ({max_new_tokens}) must be >= 1 and the prompt "
+                        "non-empty")
+    vocab_size = getattr(target, "vocab_size", None)
+    if vocab_size is not None:
+        check_prompt_ids(list(prompt_ids), int(vocab_size))
     observer = observer or LoopObserver()
     sampler = _Sampler(temperature, seed)
     target.reset()

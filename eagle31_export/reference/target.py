@@ -13,7 +13,9 @@ from eagle31_export.errors import UserError
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layer stack of a transformers causal LM (Llama, Qwen2/3, Mistral, ...)."""
-    for path in ("model.layers", "model.language_model.layers", "transformer.h", "model.decoder.layers"):
+    from eagle31_export.formats.target import DECODER_LAYER_PATHS
+
+    for path in DECODER_LAYER_PATHS:
         mod = model
         for part in path.split("."):
             mod = getattr(mod, part, None)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle31_export.errors import MissingRuntimeError, UserError
+from eagle31_export.errors import CheckpointError, MissingRuntimeError, UserError
 from eagle31_export.formats.safetensors_io import read_json
 
 _NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -38,6 +38,7 @@ class OnnxExport:
         meta = read_json(folder / "graphs.json")
         if meta.get("format") != "eagle31-export/onnx":
             raise UserError(f"{folder}/graphs.json: not an eagle31-export ONNX export")
+        _check_meta(folder / "graphs.json", meta)
         return cls(folder, meta)
 
     @property
@@ -61,7 +62,45 @@ class OnnxExport:
         if threads:
             opts.intra_op_num_threads = threads
         opts.log_severity_level = 3  # warnings about unused initializers etc. are noise here
-        return ort.InferenceSession(str(self.folder / file), opts, providers=["CPUExecutionProvider"])
+        try:
+            return ort.InferenceSession(str(self.folder / file), opts, providers=["CPUExecutionProvider"])
+        except Exception as err:  # ONNX Runtime's own error types (Fail, InvalidProtobuf, NoSuchFile, ...)
+            if not type(err).__module__.startswith("onnxruntime"):
+                raise
+            reason = " ".join(str(err).split())[:300]
+            raise CheckpointError(f"{self.folder / file}: ONNX Runtime cannot load it ({reason}); the export is "
+                                  "damaged or incomplete: re-run `eagle31-export export onnx`") from None
+
+
+# graphs.json fields the runtime reads: dotted path -> accepted types (drafter; target when present)
+_DRAFTER_FIELDS = {"dtype": str, "drafter.graphs.first.file": str, "drafter.graphs.next.file": str,
+                   "drafter.d2t": str, "drafter.max_positions": int, "drafter.kv_cache.layers": int,
+                   "drafter.kv_cache.heads": int, "drafter.kv_cache.key_dim": int, "drafter.kv_cache.value_dim": int}
+_TARGET_FIELDS = {"target.file": str, "target.vocab_size": int, "target.max_positions": int,
+                  "target.aux_layer_ids": list, "target.kv_cache.layers": int, "target.kv_cache.heads": int,
+                  "target.kv_cache.key_dim": int, "target.kv_cache.value_dim": int}
+
+
+def _check_meta(path: Path, meta: dict) -> None:
+    """Every graphs.json field the backends read, with its type; named files inside the folder."""
+    fields = dict(_DRAFTER_FIELDS)
+    if "target" in meta:
+        fields.update(_TARGET_FIELDS)
+    drafter = meta.get("drafter") if isinstance(meta.get("drafter"), dict) else {}
+    graphs = drafter.get("graphs") if isinstance(drafter.get("graphs"), dict) else {}
+    if "chain" in graphs:
+        fields.update({"drafter.graphs.chain.file": str, "drafter.graphs.chain.depth": int})
+    for dotted, kind in fields.items():
+        value: object = meta
+        for part in dotted.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointError(f"{path}: field {dotted} is {value!r}; expected a {kind.__name__}: the export "
+                                  "is damaged or from another version; re-run `eagle31-export export onnx`")
+        if dotted.endswith(("file", "d2t")) and Path(value).name != value:
+            raise CheckpointError(f"{path}: {dotted} {value!r} is not a file name inside the export folder")
+        if kind is int and value < 1:
+            raise CheckpointError(f"{path}: field {dotted} is {value}; expected a positive integer")
 
 
 class _Cache:
@@ -154,7 +193,11 @@ class OrtDrafterBackend:
         self.first = export.session(meta["graphs"]["first"]["file"], threads)
         self.next = export.session(meta["graphs"]["next"]["file"], threads)
         self.cache = _Cache(meta["kv_cache"], self.dtype)
-        self.d2t = load_file(str(export.folder / meta["d2t"]))["d2t"]
+        try:
+            self.d2t = load_file(str(export.folder / meta["d2t"]))["d2t"]
+        except Exception as err:  # safetensors' own error types, a missing file, a missing tensor
+            raise CheckpointError(f"{export.folder / meta['d2t']}: cannot read its d2t tensor ({err}); "
+                                  "re-run `eagle31-export export onnx`") from None
         self.max_positions = meta["max_positions"]
 
     def _feeds(self, input_ids, positions, name: str, hidden) -> dict[str, np.ndarray]:
@@ -221,6 +264,10 @@ def load(source, options, workdir: Path | None = None):
 
     if options.kernels != "torch":
         raise UserError("--kernels applies to --runtime reference")
+    if source.capture is not None:  # the drafter graphs over a capture: no target graph, no target
+        from eagle31_export.runtime.on_capture import load_onnxruntime
+
+        return load_onnxruntime(source, options, workdir)
     folder = source.artifacts
     if folder is None:
         if source.drafter is None or source.target is None or workdir is None:
@@ -245,7 +292,8 @@ def load(source, options, workdir: Path | None = None):
 
 
 def prepare_servable(pair_dir: Path, target: Path) -> Path:
-    """The Triton `cpu` model runs the graphs exported next to the drafter, in `pair_dir/onnx`."""
+    """The Triton `cpu` model runs the graphs exported next to the drafter, in `pair_dir/onnx`
+    (which records its sources relative to itself: the repository can move)."""
     from eagle31_export.export.onnx_export import export_onnx
 
-    return export_onnx(pair_dir / "drafter", pair_dir / "onnx", target)
+    return export_onnx(pair_dir / "drafter", pair_dir / "onnx", target, relative_sources=True)

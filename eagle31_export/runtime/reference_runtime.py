@@ -49,6 +49,10 @@ def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir: Path
     if options.chain:
         raise UserError("--chain applies to --runtime onnxruntime")
     drafter, target = _drafter_and_target(source)
+    if source.capture is not None:  # the reference drafter over a capture: the target is not loaded
+        from eagle31_export.runtime.on_capture import load_reference
+
+        return load_reference(drafter, source.capture, options, _kernel_provider(options.kernels))
     if drafter is None or target is None:
         raise UserError("--runtime reference needs --drafter and --target")
     pair = load_pair(drafter, target, dtype=options.dtype, act_quant=options.act_quant,

@@ -23,17 +23,19 @@ from eagle31_export.reference.speculate import DrafterBackend, LoopObserver, Spe
 @dataclass(frozen=True)
 class PairSource:
     """What the user named. `artifacts` is the runtime's own input: an `export onnx` folder, a
-    serving bundle or an exported drafter checkpoint."""
+    serving bundle or an exported drafter checkpoint. With `capture`, runtimes that support it
+    (`reference`, `onnxruntime`) read the target's outputs from the capture instead of loading it."""
 
     drafter: Path | None = None
     target: Path | None = None
     artifacts: Path | None = None
     url: str | None = None
+    capture: Path | None = None  # an `eagle31-export capture` folder standing in for the target (greedy only)
 
     @classmethod
-    def of(cls, drafter=None, target=None, artifacts=None, url=None) -> "PairSource":
+    def of(cls, drafter=None, target=None, artifacts=None, url=None, capture=None) -> "PairSource":
         as_path = lambda p: None if p is None else Path(p)  # noqa: E731
-        return cls(as_path(drafter), as_path(target), as_path(artifacts), url)
+        return cls(as_path(drafter), as_path(target), as_path(artifacts), url, as_path(capture))
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,12 @@
 loop, on any machine:
     eagle31_speculate/   decoupled: streams one response per round, statistics in the last
     eagle31_generate/    plain request/response front (HTTP or gRPC `infer`), via Triton BLS
-The drafter is COPIED into the repository (canonical speculators layout, explicit taps); the
-target is REFERENCED by the path the bundle names (copy it into the bundle with
-`--copy-target` to make both self-contained).
+Both flavours hold the drafter (the `cpu` flavour in the canonical speculators layout with explicit
+taps, the `trtllm` flavour as the bundle has it) and the target next to it: a symlink to the
+target the bundle names (default), or a copy (`copy_target`, `--copy-target`): a repository
+that can be moved to another machine. Every path in `model.yaml` and `pair.json` is relative to
+the folder holding that file (`target`, `drafter`), so the repository can be moved or renamed;
+no file in it names the path it was written under.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from typing import Any
 import yaml
 
 from eagle31_export.errors import UserError
+from eagle31_export.export.bundle import copy_target as copy_checkpoint
 from eagle31_export.export.bundle import read_bundle, read_bundle_drafter, write_drafter_files
+from eagle31_export.formats.outputs import atomic_output_dir, check_output
 from eagle31_export.formats.pair import read_pair
-from eagle31_export.formats.safetensors_io import built_in_place, write_json
+from eagle31_export.formats.safetensors_io import write_json
 from eagle31_export.runtime.registry import DEFAULT_SERVING_RUNTIME, RUNTIMES, runtime_named
 
 FLAVORS = ("trtllm", "cpu")
@@ -97,33 +102,55 @@ def pbtxt(name: str, inputs: list, outputs: list, decoupled: bool | None, max_ba
     return "\n".join(lines) + "\n"
 
 
+# Where each flavour keeps the drafter and the target, relative to the repository; the file
+# naming them (model.yaml, pair.json) sits in the same folder and names them `drafter`, `target`.
+CHECKPOINTS = {"trtllm": f"{TRTLLM_MODEL}/1", "cpu": f"{SPECULATE_MODEL}/1/pair"}
+
+
 def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, flavor: str, force: bool = False,
-                  runtime: str = DEFAULT_SERVING_RUNTIME) -> Path:
+                  runtime: str = DEFAULT_SERVING_RUNTIME, copy_target: bool = False) -> Path:
+    """Write the repository to `out` (atomically). The target is linked into it, or copied with
+    `copy_target`."""
     if flavor not in FLAVORS:
         raise UserError(f"unknown --flavor {flavor!r}; choose one of {', '.join(FLAVORS)}")
     record = read_bundle(bundle)
     if flavor == "trtllm" and record["kind"] != "trtllm":
         raise UserError(f"--flavor trtllm needs a bundle from `export trtllm`; {bundle} is a {record['kind']} bundle")
-    out = Path(out).resolve()
-    # built in place: the repository's README and ONNX metadata name their own final paths
-    with built_in_place(out, force=force) as tmp:
+    bundle = Path(bundle).resolve()
+    inputs = [bundle, record["target"]]
+    out = check_output(out, force, inputs)
+    target = f"{CHECKPOINTS[flavor]}/target"
+    with atomic_output_dir(out, force=force, inputs=inputs, references={"target": target}) as tmp:
+        place_target(Path(record["target"]), tmp / target, copy_target)
         if flavor == "trtllm":
-            write_trtllm_repo(record, Path(bundle).resolve(), tmp)
+            write_trtllm_repo(record, bundle, tmp)
         else:
-            write_cpu_repo(record, Path(bundle).resolve(), tmp, runtime)
+            write_cpu_repo(record, bundle, tmp, runtime)
     return out
+
+
+def place_target(target: Path, dest: Path, copy: bool) -> None:
+    """The target inside the repository: a copy, or a symlink to the absolute path of the input."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if copy:
+        copy_checkpoint(target, dest)
+    else:
+        dest.symlink_to(target.resolve(), target_is_directory=True)
 
 
 def write_trtllm_repo(record: dict[str, Any], bundle: Path, repo: Path) -> None:
     model = repo / TRTLLM_MODEL
-    (model / "1").mkdir(parents=True)
+    (model / "1").mkdir(parents=True, exist_ok=True)
     options = yaml.safe_load((bundle / record.get("llm_api", "llm_api.yaml")).read_text())
+    shutil.copytree(record["drafter"], model / "1" / "drafter", ignore=shutil.ignore_patterns(".*"))
+    # Relative to model.yaml's folder: model.py runs the LLM from there.
+    options.setdefault("speculative_config", {})["speculative_model"] = "drafter"
     model_yaml = {
-        "model": record["target"],
+        "model": "target",
         "backend": "pytorch",
         "tensor_parallel_size": options.pop("tensor_parallel_size", record["tensor_parallel_size"]),
         "pipeline_parallel_size": options.pop("pipeline_parallel_size", record["pipeline_parallel_size"]),
-        **options,  # speculative_config (absolute drafter path), return_perf_metrics
+        **options,  # speculative_config (the drafter next to model.yaml), return_perf_metrics
         # max_batch_size 0: one prompt per request, as TensorRT-LLM's own LLM-API model; batching
         # happens inside the LLM (in-flight batching), not in Triton.
         "triton_config": {"max_batch_size": 0, "decoupled": True},
@@ -153,12 +180,12 @@ def write_cpu_repo(record: dict[str, Any], bundle: Path, repo: Path, runtime: st
     speculate = repo / SPECULATE_MODEL
     pair = speculate / "1" / "pair"
     write_drafter_files(ckpt, pair / "drafter", "speculators")
-    artifacts = serving.prepare_servable(pair, Path(record["target"]))
-    write_json(pair / "pair.json", {"target": record["target"], "drafter": "drafter", "dtype": "fp32",
+    artifacts = serving.prepare_servable(pair, pair / "target")
+    # Paths relative to pair.json's folder (runtime/triton_service.py: load_pair_dir).
+    write_json(pair / "pair.json", {"target": "target", "drafter": "drafter", "dtype": "fp32",
                                     "runtime": runtime,
                                     "artifacts": artifacts.relative_to(pair).as_posix() if artifacts else None,
-                                    "max_draft_len": record["max_draft_len"], "bundle": str(bundle),
-                                    "bundle_kind": record["kind"]})
+                                    "max_draft_len": record["max_draft_len"], "bundle_kind": record["kind"]})
     shutil.copyfile(MODELS / "cpu_model.py", speculate / "1" / "model.py")
     streaming = ("streaming", "TYPE_BOOL", [1], True)
     (speculate / "config.pbtxt").write_text(pbtxt(
@@ -178,7 +205,7 @@ def write_cpu_repo(record: dict[str, Any], bundle: Path, repo: Path, runtime: st
 def _cpu_readme(record: dict[str, Any], repo: Path, runtime: str) -> str:
     return f"""# Triton repository (cpu flavour): EAGLE speculation loop on {runtime}
 
-Serve: `eagle31-export serve {repo.name} --port 8000 --grpc-port 8001` (Triton's python backend runs the
+Serve (REPO: this folder): `eagle31-export serve REPO --port 8000 --grpc-port 8001` (Triton's python backend runs the
 interpreter first on PATH and ignores PYTHONPATH; `serve` puts this environment's first, so the installed
 `eagle31_export` is importable). On a small CPU machine set `OMP_NUM_THREADS` to the cores you give the model.
 
@@ -195,8 +222,22 @@ Outputs: `output_ids`, `text_output` (with a tokenizer), `accepted_per_step`, `a
 Greedy decoding: the tokens equal the target's own greedy output. Sampling with a seed is reproducible:
 the same seed gives the same tokens as `eagle31-export speculate --temperature T --seed S`.
 
+Every request is checked before anything runs. It must send exactly one of `input_ids` (at least one
+id, each in 0..vocab_size-1 of the target) and `text_input` (UTF-8); `max_tokens` >= 1 (default 64),
+with prompt length + `max_tokens` + `num_draft_tokens` - 1 within the positions the exported graphs'
+rope tables hold (the target's `max_position_embeddings` unless exported with `--max-positions`);
+`num_draft_tokens` from 1 to max(16, the default); `temperature` finite and >= 0; `seed` an integer;
+every `stop_token_ids` id in the vocabulary.
+Errors: a request that breaks a rule gets status INVALID_ARG (HTTP 400, gRPC INVALID_ARGUMENT) with
+one line naming the input and the allowed range; wrong types, shapes or unknown inputs are refused
+by Triton itself, also with 400. Any other failure is HTTP 500 (gRPC INTERNAL) with one generic
+line; its detail (e.g. an ONNX Runtime message) is only in the server log. On a gRPC stream an
+error arrives as the stream's error message (streams carry no status code). The server keeps
+serving after either.
+
 Checkpoints: the drafter is copied into `{SPECULATE_MODEL}/1/pair/drafter` (speculators layout, tapped
-layers explicit); the target is referenced by path: `{record['target']}`.
+layers explicit); the target is `{SPECULATE_MODEL}/1/pair/target` ({_target_note(repo / CHECKPOINTS['cpu'])}).
+`pair/pair.json` names both relative to its folder: the repository can be moved or renamed.
 Runtime: `{runtime}` ({RUNTIMES[runtime].help}); `pair/pair.json` names it and the artifacts it runs
 (`export triton --runtime {'|'.join(n for n, r in RUNTIMES.items() if r.servable)}`).
 """
@@ -205,18 +246,31 @@ Runtime: `{runtime}` ({RUNTIMES[runtime].help}); `pair/pair.json` names it and t
 def _trtllm_readme(record: dict[str, Any], repo: Path) -> str:
     return f"""# Triton repository (trtllm flavour): TensorRT-LLM LLM API, PyTorch backend, EAGLE-3 speculation
 
-Needs a GPU machine with `tensorrt_llm` (e.g. NVIDIA's `tritonserver:<xx.yy>-trtllm-python-py3` container):
+Needs a GPU machine with `tensorrt_llm` (e.g. NVIDIA's `tritonserver:<xx.yy>-trtllm-python-py3` container);
+REPO is this folder:
 
 ```
-tritonserver --model-repository {repo.name} --http-address 127.0.0.1 --grpc-address 127.0.0.1
+tritonserver --model-repository REPO --http-address 127.0.0.1 --grpc-address 127.0.0.1
 ```
 
-`{TRTLLM_MODEL}/1/model.yaml` holds the LLM arguments (target `{record['target']}`, `backend: pytorch`,
+`{TRTLLM_MODEL}/1/model.yaml` holds the LLM arguments (`model: target`, `backend: pytorch`,
 tensor/pipeline parallel sizes, `speculative_config` with the drafter and the tapped layers) and
 `triton_config` (decoupled: stream with gRPC). Tensor names follow TensorRT-LLM's own LLM-API model:
 `text_input`, `streaming`, `sampling_param_*` in; `text_output`, `acceptance_rate`,
 `total_accepted_draft_tokens`, `total_draft_tokens` (and `acceptance_length`) out.
+
+Checkpoints: `{TRTLLM_MODEL}/1/drafter` (copied from the bundle) and `{TRTLLM_MODEL}/1/target`
+({_target_note(repo / CHECKPOINTS['trtllm'])}). `model.yaml` names them relative to its own folder,
+and `model.py` runs the LLM from that folder: the repository can be moved or renamed.
 """
+
+
+def _target_note(folder: Path) -> str:
+    link = folder / "target"
+    if link.is_symlink():
+        return (f"a symlink to `{os.readlink(link)}`; on another machine, point it at the target there, "
+                "or export with --copy-target")
+    return "a copy of the bundle's target: the repository is self-contained"
 
 
 def load_repository_configs(repo: str | os.PathLike) -> dict[str, Any]:

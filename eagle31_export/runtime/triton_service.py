@@ -1,15 +1,25 @@
-"""What the Triton `cpu` model does, without Triton: load the pair, speculate, report per round.
+"""What the Triton `cpu` model does, without Triton: load the pair, check each request, speculate,
+report per round.
 
 The Triton model.py is a thin adapter over `SpeculationService` (so the logic is testable in
 process); the runtime comes from the registry, named in `pair.json`.
+
+Every request is checked before anything runs (`SpeculationService.parse`): a request that cannot
+run raises `RequestError`, one line naming the input and the allowed range, which the model sends
+as Triton's INVALID_ARG (HTTP 400, gRPC INVALID_ARGUMENT). Anything else that fails is the server's
+fault: the client gets `INTERNAL_ERROR` (one generic line, HTTP 500), the server log the detail
+(`client_error`).
 """
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
+import numpy as np
 import torch
 
 from eagle31_export.errors import UserError
@@ -20,12 +30,97 @@ from eagle31_export.runtime.registry import LoadOptions, PairSource, Speculator,
 
 PAIR_FILE = "pair.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+MAX_DRAFT_TOKENS = 16  # num_draft_tokens above this (or the pair's max_draft_len, if larger) is refused
+INTERNAL_ERROR = "internal error while generating; the server log has the details"
+
+
+class RequestError(UserError):
+    """A request that cannot run (bad ids, counts, temperature...): one line naming the input and
+    what it may hold. Sent to the client as INVALID_ARG (HTTP 400)."""
+
+
+def client_error(err: BaseException) -> tuple[str, bool]:
+    """(the one line the client gets, whether the client is at fault). Only our own request checks
+    reach the client verbatim; any other failure (ONNX Runtime, torch, a bug) becomes one generic
+    line, and the caller logs the detail on the server side."""
+    if isinstance(err, RequestError):
+        text = str(err).strip()
+        return (text.splitlines()[0] if text else "invalid request"), True
+    return INTERNAL_ERROR, False
+
+
+# Triton's python backend (at least the one nvidia-pytriton ships) drops an error's status code on
+# the way back through BLS: the generate front would see every error as INTERNAL. So the front marks
+# its BLS requests with this request parameter, and the speculation model then prefixes its error
+# messages with the status (`tag_status`); the front strips it (`untag_status`). Clients talking
+# to the speculation model directly never see the prefix.
+STATUS_PARAMETER = "eagle31_status_in_message"
+_STATUS_TAGS = {True: "INVALID_ARG", False: "INTERNAL"}
+
+
+def tag_status(message: str, client_fault: bool) -> str:
+    return f"{_STATUS_TAGS[client_fault]}|{message}"
+
+
+def untag_status(message: str) -> tuple[str, bool | None]:
+    """(message, client at fault) from a tagged message; (message, None) when it carries no tag
+    (an error the speculation model did not compose: the caller treats it as internal)."""
+    tag, sep, rest = message.partition("|")
+    for client_fault, name in _STATUS_TAGS.items():
+        if sep and tag == name:
+            return rest, client_fault
+    return message, None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask of the loaded pair."""
+
+    vocab_size: int | None = None  # token ids must lie in 0..vocab_size-1
+    max_positions: int | None = None  # prompt + max_tokens + num_draft_tokens - 1 must fit (rope tables)
+    max_draft_tokens: int = MAX_DRAFT_TOKENS
+
+    @classmethod
+    def of(cls, speculator: Speculator, target_dir: str | os.PathLike, depth: int = 1) -> "Limits":
+        """Vocabulary from the target's config.json; positions from the runtime's rope tables (the
+        exported graphs' `max_positions`), else the target's `max_position_embeddings`."""
+        config = read_json(Path(target_dir) / "config.json")
+        text = config.get("text_config", config)
+        tables = [getattr(getattr(speculator, part, None), "max_positions", None) for part in ("target", "drafter")]
+        tables = [int(t) for t in tables if t]
+        declared = text.get("max_position_embeddings")
+        positions = min(tables) if tables else (int(declared) if declared else None)
+        return cls(int(text["vocab_size"]), positions, max(MAX_DRAFT_TOKENS, depth))
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A checked request: every field is within what the loaded pair can run."""
+
+    prompt: list[int]
+    max_tokens: int
+    depth: int
+    stop_ids: tuple[int, ...] = ()
+    temperature: float = 0.0
+    seed: int = 0
+    streaming: bool = False
+
+
+def _scalar(name: str, array: np.ndarray, kinds: str, what: str):
+    """The single value of a [1] input, of numpy kind(s) `kinds` ('i' signed, 'u' unsigned, 'f', 'b')."""
+    array = np.asarray(array)
+    if array.size != 1:
+        raise RequestError(f"{name} must hold exactly one value (got {array.size})")
+    if array.dtype.kind not in kinds:
+        raise RequestError(f"{name} must be {what} (got {array.dtype.name})")
+    return array.reshape(-1)[0].item()
 
 
 def load_pair_dir(pair_dir: str | os.PathLike, runtime: str | None = None) -> tuple[Speculator, dict]:
     """The speculator for the pair described by `pair_dir/pair.json` (`runtime` None: the one it names)."""
     pair_dir = Path(pair_dir)
     spec = read_json(pair_dir / PAIR_FILE)
+    spec["target"] = str(pair_dir / spec["target"])  # relative to pair.json's folder (an absolute path stays)
     artifacts = pair_dir / spec["artifacts"] if spec.get("artifacts") else None
     if artifacts is not None and not artifacts.exists():
         raise UserError(f"{artifacts}: missing, yet {pair_dir / PAIR_FILE} names it; re-export the repository")
@@ -50,18 +145,92 @@ class _Streamer(LoopObserver):
 
 
 class SpeculationService:
-    def __init__(self, speculator: Speculator, tokenizer=None, depth: int = 3):
+    def __init__(self, speculator: Speculator, tokenizer=None, depth: int = 3, limits: Limits | None = None):
         self.speculator, self.tokenizer, self.depth = speculator, tokenizer, depth
+        self.limits = limits or Limits(max_draft_tokens=max(MAX_DRAFT_TOKENS, depth))
 
     @classmethod
     def from_dir(cls, pair_dir: str | os.PathLike, runtime: str | None = None) -> "SpeculationService":
         speculator, spec = load_pair_dir(pair_dir, runtime)
-        return cls(speculator, load_tokenizer(spec["target"]), int(spec.get("max_draft_len", 3)))
+        depth = int(spec.get("max_draft_len", 3))
+        return cls(speculator, load_tokenizer(spec["target"]), depth, Limits.of(speculator, spec["target"], depth))
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise UserError("this model has no tokenizer next to its target: send input_ids instead of text_input")
-        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+            raise RequestError("text_input needs a tokenizer and this model has none next to its target: "
+                               "send input_ids instead")
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def parse(self, inputs: Mapping[str, np.ndarray | None], default_max_tokens: int = 64) -> GenerateRequest:
+        """A checked request from the Triton inputs (name -> array, None when absent); RequestError
+        (one line) for anything the pair cannot run."""
+        ids, text = inputs.get("input_ids"), inputs.get("text_input")
+        if ids is not None and text is not None:
+            raise RequestError("send input_ids or text_input, not both")
+        if ids is None and text is None:
+            raise RequestError("send input_ids (INT64 token ids) or text_input (STRING)")
+        if ids is not None:
+            ids = np.asarray(ids)
+            if ids.size and ids.dtype.kind not in "iu":
+                raise RequestError(f"input_ids must be integer token ids (got {ids.dtype.name})")
+            prompt = [int(i) for i in ids.reshape(-1)]
+        else:
+            text = np.asarray(text, dtype=object).reshape(-1)
+            if text.size != 1:
+                raise RequestError(f"text_input must hold exactly one string (got {text.size})")
+            raw = text[0]
+            try:
+                prompt = self.encode(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
+            except UnicodeDecodeError as err:
+                raise RequestError(f"text_input is not valid UTF-8 (byte {err.start})") from None
+        get = lambda name, kinds, what, default: (  # noqa: E731
+            default if inputs.get(name) is None else _scalar(name, inputs[name], kinds, what))
+        max_tokens = get("max_tokens", "iu", "an integer", default_max_tokens)
+        depth = get("num_draft_tokens", "iu", "an integer", self.depth)
+        temperature = get("temperature", "fiu", "a number", 0.0)
+        seed = get("seed", "iu", "an integer", 0)
+        streaming = get("streaming", "b", "a boolean", False)
+        stop = inputs.get("stop_token_ids")
+        if stop is not None and np.asarray(stop).size and np.asarray(stop).dtype.kind not in "iu":
+            raise RequestError(f"stop_token_ids must be integer token ids (got {np.asarray(stop).dtype.name})")
+        stop_ids = () if stop is None else tuple(int(s) for s in np.asarray(stop).reshape(-1))
+        request = GenerateRequest(prompt, int(max_tokens), int(depth), stop_ids, float(temperature), int(seed),
+                                  bool(streaming))
+        self.check(request)
+        return request
+
+    def check(self, request: GenerateRequest) -> None:
+        """RequestError (one line) unless the loaded pair can run `request`."""
+        limits = self.limits
+        if not request.prompt:
+            raise RequestError("the prompt is empty: send at least one token")
+        if not 1 <= request.depth <= limits.max_draft_tokens:
+            raise RequestError(f"num_draft_tokens must be between 1 and {limits.max_draft_tokens} "
+                               f"(got {request.depth})")
+        if request.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1 (got {request.max_tokens})")
+        if not math.isfinite(request.temperature) or request.temperature < 0:
+            raise RequestError(f"temperature must be a finite number >= 0 (got {request.temperature})")
+        if limits.max_positions is not None:
+            # the last round verifies up to position prompt + max_tokens - 2 + depth
+            room = limits.max_positions - len(request.prompt) - request.depth + 1
+            if request.max_tokens > room:
+                if room < 1:
+                    raise RequestError(f"the prompt is too long: {len(request.prompt)} tokens with "
+                                       f"{request.depth} draft tokens leave no room in the model's "
+                                       f"{limits.max_positions} positions")
+                raise RequestError(f"max_tokens {request.max_tokens} is too many: a {len(request.prompt)}-token "
+                                   f"prompt with {request.depth} draft tokens leaves room for at most {room} "
+                                   f"(the model has {limits.max_positions} positions)")
+        self._check_ids("input_ids", request.prompt)
+        self._check_ids("stop_token_ids", request.stop_ids)
+
+    def _check_ids(self, name: str, ids) -> None:
+        vocab = self.limits.vocab_size
+        for i, token in enumerate(ids):
+            if token < 0 or (vocab is not None and token >= vocab):
+                allowed = f"0..{vocab - 1}" if vocab is not None else ">= 0"
+                raise RequestError(f"{name}: token id {token} at position {i} is out of range ({allowed})")
 
     def decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -70,13 +239,15 @@ class SpeculationService:
                  stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None,
                  temperature: float = 0.0, seed: int = 0) -> SpecResult:
         """Chain speculation (greedy at temperature 0); `on_tokens` receives tokens round by round as they
-        are committed (the last round's are in the result only: the caller sends them with the statistics)."""
-        if not prompt_ids:
-            raise UserError("empty prompt: send at least one token")
-        if max_new_tokens < 1:
-            raise UserError(f"max_tokens must be >= 1 (got {max_new_tokens})")
-        if temperature < 0:
-            raise UserError(f"temperature must be >= 0 (got {temperature})")
+        are committed (the last round's are in the result only: the caller sends them with the statistics).
+        The request is checked first (RequestError); `depth` None: the pair's default."""
+        request = GenerateRequest(list(prompt_ids), max_new_tokens, self.depth if depth is None else depth,
+                                  tuple(stop_ids), temperature, seed)
+        self.check(request)
+        return self.run(request, on_tokens)
+
+    def run(self, request: GenerateRequest, on_tokens: Callable[[list[int]], None] | None = None) -> SpecResult:
+        """Run a request already checked by `parse` / `check`."""
         observer = _Streamer(on_tokens) if on_tokens is not None else None
-        return self.speculator.run(list(prompt_ids), max_new_tokens, depth or self.depth, temperature, seed,
-                                   tuple(stop_ids), observer)
+        return self.speculator.run(list(request.prompt), request.max_tokens, request.depth, request.temperature,
+                                   request.seed, request.stop_ids, observer)

@@ -4,23 +4,37 @@ Copied as `<model>/1/model.py` by `eagle31-export export triton --flavor cpu`; i
 Triton's python stub, with the interpreter (and packages) first on PATH. Decoupled: one
 response per speculation round when `streaming` is true (the tokens that round committed),
 else one response; the last response carries the acceptance statistics.
+
+Every request is checked before it runs (`SpeculationService.parse`). A request the pair cannot
+run gets INVALID_ARG (HTTP 400) with one line naming the input; any other failure gets INTERNAL
+(HTTP 500) with one generic line, and the detail goes to the server log only.
 """
 
 import json
 import os
+import traceback
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from eagle31_export.reference.statistics import statistics
-from eagle31_export.runtime.triton_service import SpeculationService
+from eagle31_export.runtime.triton_service import STATUS_PARAMETER, SpeculationService, client_error, tag_status
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+INPUTS = ("input_ids", "text_input", "max_tokens", "num_draft_tokens", "stop_token_ids", "temperature", "seed",
+          "streaming")
 
 
 def _input(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy().reshape(-1)
+
+
+def _parameters(request):
+    try:
+        return json.loads(request.parameters() or "{}")
+    except Exception:  # an older backend without request parameters, or none sent
+        return {}
 
 
 class TritonPythonModel:
@@ -36,39 +50,28 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 self._generate(request, sender)
-            except Exception as err:  # the client gets the reason; the model stays up
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err))), flags=FINAL)
+            except Exception as err:  # the model stays up; the client gets one line
+                message, client_fault = client_error(err)
+                if not client_fault:  # the detail stays on the server
+                    pb_utils.Logger.log_error(f"eagle31_speculate: {traceback.format_exc()}")
+                code = pb_utils.TritonError.INVALID_ARG if client_fault else pb_utils.TritonError.INTERNAL
+                if _parameters(request).get(STATUS_PARAMETER):  # the generate front: status travels in the text
+                    message = tag_status(message, client_fault)
+                try:
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
+                except Exception:  # e.g. the final response had already gone out; nothing more to send
+                    pb_utils.Logger.log_error(f"eagle31_speculate: cannot send the error: {traceback.format_exc()}")
         return None
 
     def _generate(self, request, sender):
-        ids, text = _input(request, "input_ids"), _input(request, "text_input")
-        if ids is not None:
-            prompt = [int(i) for i in ids]
-        elif text is not None:
-            raw = text[0]
-            prompt = self.service.encode(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
-        else:
-            raise ValueError("send input_ids (INT64) or text_input (STRING)")
-        max_tokens = _input(request, "max_tokens")
-        depth = _input(request, "num_draft_tokens")
-        streaming = _input(request, "streaming")
-        stop = _input(request, "stop_token_ids")
-        temperature, seed = _input(request, "temperature"), _input(request, "seed")
+        checked = self.service.parse({name: _input(request, name) for name in INPUTS}, self.default_max_tokens)
         sent = []
 
         def send_chunk(tokens):
             sent.extend(tokens)
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tokens(tokens, sent)))
 
-        result = self.service.generate(
-            prompt,
-            int(max_tokens[0]) if max_tokens is not None else self.default_max_tokens,
-            int(depth[0]) if depth is not None else None,
-            tuple(int(s) for s in stop) if stop is not None else (),
-            on_tokens=send_chunk if streaming is not None and bool(streaming[0]) else None,
-            temperature=float(temperature[0]) if temperature is not None else 0.0,
-            seed=int(seed[0]) if seed is not None else 0,
-        )
+        result = self.service.run(checked, on_tokens=send_chunk if checked.streaming else None)
         rest = result.tokens[len(sent):]
         sent.extend(rest)
         stats = statistics(result.accepted_per_step, result.drafts)
