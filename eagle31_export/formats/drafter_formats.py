@@ -195,6 +195,16 @@ def _refuse(fmt: DrafterFormat, cfg: DrafterConfig) -> None:
         raise CheckpointError(problems[0])
 
 
+def _nested_eagle_config(fmt, flat: dict[str, Any], c: dict[str, Any], e: dict[str, Any],
+                         ids: tuple[int, ...] | None) -> tuple[DrafterConfig, list[str]]:
+    """ModelOpt and TensorRT-LLM: flat keys plus flags nested in `eagle_config`. TensorRT-LLM reads the
+    feedback flag as eagle_config.return_hidden_post_norm (docs/runtimes.md#eagle-31-across-tensorrt-llm-versions)."""
+    cfg = _flat_config(flat, ids, fc_norm=_flag(c, "fc_norm"),
+                       norm_output=_flag(c, "norm_output") or _flag(e, "return_hidden_post_norm"),
+                       norm_before_fc=_flag(e, "norm_before_fc"))
+    return cfg, _unknown(c, fmt.known) + [f"eagle_config.{k}" for k in _unknown(e, fmt.eagle_known)]
+
+
 def _ids(value: Any) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -393,12 +403,7 @@ class ModelOptFormat(DrafterFormat):
         ids = _ids(e.get("eagle_aux_hidden_state_layer_ids"))
         if e.get("use_aux_hidden_state") is False:
             raise CheckpointError("eagle_config.use_aux_hidden_state is false: an EAGLE-1/2 drafter, not EAGLE-3")
-        # TensorRT-LLM reads the feedback flag as eagle_config.return_hidden_post_norm (docs/runtimes.md#eagle-31-across-tensorrt-llm-versions)
-        cfg = _flat_config(c, ids, fc_norm=_flag(c, "fc_norm"),
-                           norm_output=_flag(c, "norm_output") or _flag(e, "return_hidden_post_norm"),
-                           norm_before_fc=_flag(e, "norm_before_fc"))
-        unknown = _unknown(c, self.known) + [f"eagle_config.{k}" for k in _unknown(e, self.eagle_known)]
-        return cfg, unknown
+        return _nested_eagle_config(self, c, c, e, ids)
 
     def write_config(self, cfg):
         arch = "Eagle3DeepseekV2ForCausalLM" if cfg.attention == "mla" else "LlamaForCausalLMEagle3"
@@ -482,11 +487,7 @@ class TrtllmFormat(DrafterFormat):
         flat = dict(c)
         if flat.get("target_hidden_size") == flat.get("hidden_size"):
             flat["target_hidden_size"] = None  # always written; equal means "the drafter's own"
-        cfg = _flat_config(flat, ids, fc_norm=_flag(c, "fc_norm"),
-                           norm_output=_flag(c, "norm_output") or _flag(e, "return_hidden_post_norm"),
-                           norm_before_fc=_flag(e, "norm_before_fc"))
-        unknown = _unknown(c, self.known) + [f"eagle_config.{k}" for k in _unknown(e, self.eagle_known)]
-        return cfg, unknown
+        return _nested_eagle_config(self, flat, c, e, ids)
 
     def write_config(self, cfg):
         e: dict[str, Any] = {}

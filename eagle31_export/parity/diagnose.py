@@ -155,7 +155,20 @@ class _Step:
     post_norm: torch.Tensor | None
 
 
-class _ReferenceProbe:
+class _Probe:
+    """A drafter backend seen through diagnose: cache handling is the backend's own."""
+
+    def reset(self) -> None:
+        self.backend.reset()
+
+    def truncate(self, length: int) -> None:
+        self.backend.truncate(length)
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.backend.draft_to_target(ids)
+
+
+class _ReferenceProbe(_Probe):
     """The reference drafter: every quantity, attention probabilities through the cache's recorder."""
 
     def __init__(self, backend: ReferenceDrafterBackend):
@@ -166,15 +179,6 @@ class _ReferenceProbe:
         self.normalised_by = "fc_norm" if cfg.fc_norm else ("norm_before_fc" if cfg.norm_before_fc else None)
         self.layers = cfg.num_layers
         self.unavailable: dict[str, str] = {}
-
-    def reset(self) -> None:
-        self.backend.reset()
-
-    def truncate(self, length: int) -> None:
-        self.backend.truncate(length)
-
-    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.backend.draft_to_target(ids)
 
     @torch.no_grad()
     def forward(self, ids, positions, hidden, hidden_is_aux: bool, recorder=None) -> _Step:
@@ -199,7 +203,7 @@ class _ReferenceProbe:
         return [s.to(dtype) for s in sources]
 
 
-class _BackendProbe:
+class _BackendProbe(_Probe):
     """Any other drafter backend (an ONNX export): per step only the logits and the fed-back state."""
 
     def __init__(self, backend, runtime: str):
@@ -223,15 +227,6 @@ class _BackendProbe:
                 f"(norm_output {'on' if self.norm_output else 'off'})")
         if self.normalised_by:
             self.unavailable["fc_input.rms_into_fc"] = f"{graph}; {self.normalised_by} runs inside the graph"
-
-    def reset(self) -> None:
-        self.backend.reset()
-
-    def truncate(self, length: int) -> None:
-        self.backend.truncate(length)
-
-    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.backend.draft_to_target(ids)
 
     def forward(self, ids, positions, hidden, hidden_is_aux: bool, recorder=None) -> _Step:
         logits, fed_back = self.backend.forward(ids, positions, hidden, hidden_is_aux)
