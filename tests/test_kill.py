@@ -70,7 +70,14 @@ def small(tmp_path_factory):
     bundle = export_trtllm(drafter, target, root / "bundle")
     prompts = root / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2, 3, 4, 5, 6]}\n')
-    return {"target": target, "drafter": drafter, "bundle": bundle, "prompts": prompts}
+    pickled = root / "pickled"  # the original EAGLE release's layout: config.json + pytorch_model.bin
+    pickled.mkdir()
+    shutil.copy(target / "config.json", pickled / "config.json")
+    from safetensors.torch import load_file
+    import torch
+
+    torch.save(load_file(str(target / "model.safetensors")), pickled / "pytorch_model.bin")
+    return {"target": target, "drafter": drafter, "bundle": bundle, "prompts": prompts, "pickled": pickled}
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +101,11 @@ def commands(s) -> dict[str, list[str]]:
         "quantize": ["quantize", t, "--calib-prompts", str(s["prompts"])],
         "parity": ["parity", "--drafter", d, "--target", t, "--runtime", "reference", "--prompts", str(s["prompts"]),
                    "--depth", "2", "--max-new-tokens", "4"],
+        "capture": ["capture", "--target", t, "--drafter", d, "--prompts", str(s["prompts"]), "--max-new-tokens", "4",
+                    "--depth", "2"],
+        "diagnose": ["diagnose", "--drafter", d, "--target", t, "--prompts", str(s["prompts"]), "--depth", "2",
+                     "--positions", "2"],
+        "convert": ["convert", str(s["pickled"])],
     }
 
 
@@ -106,7 +118,7 @@ def complete(out: Path) -> bool:
     return (out / "manifest.json").is_file() and verify_output(out) == []
 
 
-@pytest.mark.parametrize("name", list(commands({"drafter": "", "target": "", "bundle": "", "prompts": ""})))
+@pytest.mark.parametrize("name", list(commands({"drafter": "", "target": "", "bundle": "", "prompts": "", "pickled": ""})))
 def test_killed_runs_leave_nothing_half_written_and_reruns_succeed(tmp_path, small, forker, name):
     argv = commands(small)[name]
     log = str(tmp_path / "run.log")
