@@ -58,7 +58,7 @@ def capture(
     console = Console(stderr=True)
     if rank != 0:
         run_capture(target, prompt_ids, layers, out, options, inputs=(drafter, prompts))
-        return
+        _leave_at_once()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     with Progress(TextColumn("capture"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -70,3 +70,17 @@ def capture(
     where = f" on {world} processes (tensor-parallel)" if world > 1 else ""
     console.print(f"captured {result.prompts} prompts x {result.continuation} greedy tokens{where}; "
                   f"wrote {result.out}")
+    if world > 1:
+        _leave_at_once()
+
+
+def _leave_at_once() -> None:
+    """Under torchrun, end the process once the capture is written and the ranks have left the process
+    group: gloo's threads can abort the interpreter's own teardown ("terminate called without an active
+    exception"), which torchrun reports as a failed run although every rank finished its work."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
