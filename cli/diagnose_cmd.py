@@ -27,6 +27,8 @@ def diagnose(
                                                         "ONNX Runtime; shows fewer quantities)."),
     target: Optional[Path] = typer.Option(None, "--target", help="Target checkpoint folder (an `export onnx` folder "
                                                                  "with a target graph uses that graph)."),
+    capture: Optional[Path] = typer.Option(None, "--capture", help="A folder from `eagle31-export capture`, instead "
+                                                                   "of --target (targets larger than one machine)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL: {\"prompt_ids\": [...]} or {\"text\": ...} "
                                                                    "(default: 8 seeded random-token prompts)."),
     depth: int = typer.Option(6, "--depth", help="Measure draft depths 1..N."),
@@ -42,7 +44,7 @@ def diagnose(
     from eagle31_export.parity.diagnose import diagnose as run_diagnose
     from eagle31_export.parity.diagnose_report import fc_input_line, table, write_diagnose
 
-    inputs = [drafter, target, prompts]
+    inputs = [drafter, target, capture, prompts]
     if out is not None:
         check_output(out, force, inputs)  # before the run, not after it
     with Progress(console=Console(stderr=True), transient=True) as bar:
@@ -51,7 +53,7 @@ def diagnose(
             return lambda _: bar.advance(task)
 
         report = run_diagnose(drafter, target, prompts_file=prompts, depth=depth, positions=positions,
-                              num_sinks=num_sinks, progress=progress)
+                              num_sinks=num_sinks, progress=progress, capture=capture)
     written = write_diagnose(report, out, force=force, inputs=inputs) if out is not None else []
     if as_json:
         print_json(report.to_json())

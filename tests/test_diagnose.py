@@ -335,3 +335,25 @@ def test_a_side_without_visible_steps_says_so(faithful, llama_target):
                                                "not visible"}
     with pytest.raises(UserError, match="runs whole generations"):
         diagnose_speculator(Remote(), PROMPTS, 2, 2)
+
+
+def test_diagnose_from_a_capture_equals_diagnose_from_the_target(cli, tmp_path, eagle31_dir, llama_target):
+    """A capture (the target's greedy continuations and taps, read instead of computed) gives the same
+    diagnosis as the target folder: the path for targets larger than one machine."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    code, _, err = cli("capture", "--target", llama_target, "--drafter", eagle31_dir, "--prompts", prompts,
+                       "--max-new-tokens", str(POSITIONS + DEPTH), "--depth", "1", "--out", tmp_path / "capture")
+    assert code == 0, err
+    from_target = diagnose(eagle31_dir, llama_target, prompts_file=prompts, depth=DEPTH, positions=POSITIONS)
+    from_capture = diagnose(eagle31_dir, None, prompts_file=prompts, depth=DEPTH, positions=POSITIONS,
+                            capture=tmp_path / "capture")
+    assert from_capture.positions == from_target.positions > 0
+    for got, want in zip(from_capture.rows, from_target.rows, strict=True):
+        assert got.agreement == want.agreement and got.acceptance == want.acceptance
+        assert math.isclose(got.fed_back_rms, want.fed_back_rms, rel_tol=1e-4)
+        assert math.isclose(got.attention_prompt, want.attention_prompt, rel_tol=1e-4, abs_tol=1e-6)
+    assert from_capture.verdict == from_target.verdict
+    with pytest.raises(UserError, match="re-capture"):
+        diagnose(eagle31_dir, None, prompts_file=prompts, depth=DEPTH, positions=POSITIONS + 50,
+                 capture=tmp_path / "capture")

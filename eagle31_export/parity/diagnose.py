@@ -398,6 +398,8 @@ def diagnose_speculator(speculator: LoopSpeculator, prompts: list[list[int]], de
     if continuations is not None and any(len(c) < positions + depth - 1 for c in continuations):
         raise ValueError("each continuation needs positions + depth - 1 tokens")
     for i, prompt in enumerate(prompts):
+        if hasattr(target, "select"):  # a capture: the run reads this prompt's captured sequence
+            target.select(list(prompt))
         _diagnose_prompt(target, probe, prompt, depth, positions, num_sinks, sums,
                          None if continuations is None else continuations[i])
         if on_prompt:
@@ -527,26 +529,33 @@ def is_onnx_export(folder: Path) -> bool:
 
 def diagnose(drafter: str | os.PathLike, target: str | os.PathLike | None, prompts: list[list[int]] | None = None,
              prompts_file: str | os.PathLike | None = None, depth: int = 6, positions: int = 32, num_sinks: int = 4,
-             thresholds: DriftThresholds = DriftThresholds(), progress=None) -> DiagnoseReport:
+             thresholds: DriftThresholds = DriftThresholds(), progress=None,
+             capture: str | os.PathLike | None = None) -> DiagnoseReport:
     """`diagnose` from folders: `drafter` is a checkpoint (any format; the reference runs it) or an
     `export onnx` folder (ONNX Runtime runs it, with its target graph when it has one, else `target`).
-    `progress(total)` returns a per-prompt callback."""
-    from eagle31_export.formats.prompts import read_prompts
-    from eagle31_export.formats.target import read_target_info
-    from eagle31_export.parity.sides import bundle_sources, default_prompts
-
+    `capture` (an `eagle31-export capture` folder) replaces the target: its greedy continuations
+    and tapped states are read instead of computed. `progress(total)` returns a per-prompt callback."""
     drafter = Path(drafter)
     if not drafter.is_dir():
         raise UserError(f"{drafter}: no such drafter folder; pass a drafter checkpoint or an `export onnx` folder")
     onnx = is_onnx_export(drafter)
+    _check_settings(prompts or [[0]], depth, positions, num_sinks)
+    if capture is not None:
+        if target is not None:
+            raise UserError("pass --target or --capture, not both")
+        return _diagnose_on_capture(drafter, Path(capture), onnx, prompts, prompts_file, depth, positions,
+                                    num_sinks, thresholds, progress)
+    from eagle31_export.formats.prompts import read_prompts
+    from eagle31_export.formats.target import read_target_info
+    from eagle31_export.parity.sides import bundle_sources, default_prompts
+
     if target is None and onnx:
         target = bundle_sources(drafter)[1]
     if target is None:
-        raise UserError("diagnose needs the target: pass --target T")
+        raise UserError("diagnose needs the target: pass --target T (or --capture C)")
     target = Path(target)
     if not target.is_dir():
         raise UserError(f"{target}: no such target folder; pass the target checkpoint with --target")
-    _check_settings(prompts or [[0]], depth, positions, num_sinks)
     vocab = read_target_info(target).vocab_size
     if prompts is None:
         prompts = read_prompts(prompts_file, target, vocab) if prompts_file is not None else default_prompts(vocab)
@@ -559,6 +568,34 @@ def diagnose(drafter: str | os.PathLike, target: str | os.PathLike | None, promp
         on_prompt = progress(len(prompts)) if progress else None
         return diagnose_speculator(speculator, prompts, depth, positions, num_sinks, str(drafter), str(target),
                                    thresholds, on_prompt)
+
+
+def _diagnose_on_capture(drafter: Path, capture_dir: Path, onnx: bool, prompts, prompts_file, depth: int,
+                         positions: int, num_sinks: int, thresholds: DriftThresholds, progress) -> DiagnoseReport:
+    from eagle31_export.formats.capture import Capture
+    from eagle31_export.parity.sides import capture_prompts
+
+    capture = Capture.open(capture_dir)
+    if prompts is None:
+        prompts = capture_prompts(capture, Path(prompts_file) if prompts_file is not None else None)
+    needed = positions + depth - 1
+    continuations = []
+    for prompt in prompts:
+        index = capture.require(list(prompt))
+        tokens = [int(t) for t in capture.tensors[f"p{index}.tokens"]][len(prompt):]
+        if len(tokens) < needed:
+            raise UserError(f"{capture_dir} holds {len(tokens)} greedy tokens per prompt; diagnose with --positions "
+                            f"{positions} --depth {depth} reads {needed}: re-capture with a larger --max-new-tokens, "
+                            "or lower --positions")
+        continuations.append(tokens[:needed])
+    options = LoadOptions(dtype=torch.float32)
+    with tempfile.TemporaryDirectory(prefix="eagle31-diagnose-") as workdir:
+        source = (PairSource.of(None, None, drafter, capture=capture_dir) if onnx
+                  else PairSource.of(drafter, capture=capture_dir))
+        speculator = load_speculator("onnxruntime" if onnx else "reference", source, options, workdir)
+        on_prompt = progress(len(prompts)) if progress else None
+        return diagnose_speculator(speculator, prompts, depth, positions, num_sinks, str(drafter), str(capture_dir),
+                                   thresholds, on_prompt, continuations)
 
 
 # --------------------------------------------------------------------------- both sides of a parity run
