@@ -15,19 +15,21 @@ def register(app: typer.Typer) -> None:
 
 
 def demo(out: Path = typer.Option(Path("out/demo"), "--out", help="Where the demo writes its artifacts."),
-         pair: Path = typer.Option(Path("examples/tiny/models"), "--pair",
-                                   help="The demo pair's models folder (examples/tiny/models in a checkout)."),
+         pair: str = typer.Option("examples/tiny/models", "--pair",
+                                  help="The demo pair's models folder, or an example's name: tiny "
+                                       "(examples/tiny/models) or kimi (examples/kimi/models), in a checkout."),
          force: bool = typer.Option(True, "--force/--no-force", help="Replace an earlier demo output.")) -> None:
     """The tiny trained pair through inspect, NVFP4, every export, parity on ONNX Runtime, and tau by depth."""
     import torch
 
+    from eagle31_export.demo.pair import pair_folder
     from eagle31_export.demo.run import STEPS, run_demo
 
     torch.set_num_threads(1)  # tiny models: threads only contend
     console = Console()
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("demo", total=STEPS)
-        result = run_demo(out, pair, force=force,
+        result = run_demo(out, pair_folder(pair), force=force,
                           progress=lambda step, amount: bar.update(task, advance=amount, description=step))
     _render(console, result)
 
@@ -54,10 +56,11 @@ def _render(console: Console, result) -> None:
     verdict = "[green]PASS[/]" if parity.passed else "[red]FAIL[/]"
     console.print(f"parity, ONNX Runtime vs PyTorch reference (EAGLE 3.1, depth 3, {len(parity.rows)} prompts): "
                   f"{verdict}, tau {parity.tau('reference'):.3f} vs {parity.tau('runtime'):.3f}")
-    console.print(_by_depth_table("acceptance length tau by draft depth (held-out files, greedy)", DEPTHS,
+    console.print(_by_depth_table("acceptance length tau by draft depth (greedy)", DEPTHS,
                                   {key: [by_depth[d] for d in DEPTHS] for key, by_depth in result.taus.items()}))
-    console.print(_by_depth_table("teacher-forced agreement by draft position (held-out real text; free of the "
-                                  "repetition a tiny target's own greedy text shows)", DEPTHS, result.agreement))
+    console.print(_by_depth_table("teacher-forced agreement by draft position (on held-out real text where the "
+                                  "pair has it: free of the repetition a tiny target's own greedy text shows)",
+                                  DEPTHS, result.agreement))
     console.print(f"artifacts, parity report and plots in {result.out}")
 
 

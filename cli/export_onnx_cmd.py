@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -44,3 +45,7 @@ def onnx_cmd(
     with console.status("exporting ONNX graphs"):
         path = export_onnx(drafter, out, target, options, force=force)
     typer.echo(f"ONNX graphs written to {path} (inputs/outputs in {path / 'graphs.json'})")
+    meta = json.loads((path / "graphs.json").read_text())
+    if "no_target_graph" in meta:
+        console.print(f"[yellow]note: drafter graphs only: {meta['no_target_graph']}; `speculate` and `parity` "
+                      "on ONNX Runtime verify with the reference target[/]")

@@ -36,13 +36,23 @@ def inspect(
 
 def _render(report: dict) -> None:
     console = Console()
-    title = f"{report['kind']}: {report.get('format', '')} EAGLE {report.get('eagle_version', '')}".strip()
+    origin = report.get("origin", "")
+    layout = f"{origin} ({report['format']} layout)" if origin and origin != report.get("format") else origin
+    title = f"{report['kind']}: {layout} EAGLE {report.get('eagle_variant', '')}".strip()
     table = Table(title=title if report["kind"] == "drafter" else "target", show_header=False)
     for key, value in report["config"].items():
         table.add_row(key, str(value))
     if "tapped_layers" in report:
         table.add_row("tapped (output of layer)", str(report["tapped_layers"]["output_of_layer"]))
         table.add_row("tapped (before layer, vLLM)", str(report["tapped_layers"]["before_layer"]))
+        table.add_row("taps from", report.get("taps") or report["tapped_layers"]["source"])
+    if "max_positions" in report:
+        table.add_row("max positions", report["max_positions"])
+    if "vocabulary" in report:
+        v = report["vocabulary"]
+        ids = f"{v['target_ids']['min']}..{v['target_ids']['max']}" if v["target_ids"] else "(out of range)"
+        table.add_row("vocabulary", f"{v['draft_vocab_size']} draft ids -> target ids {ids} of {v['vocab_size']}; "
+                      f"d2t {v['d2t']}; t2d {v['t2d']}")
     if report.get("quantization"):
         table.add_row("quantization", str(report["quantization"]))
     console.print(table)

@@ -31,6 +31,8 @@ def parity(
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, callback=finite_number),
     seed: int = typer.Option(0, "--seed", min=0, max=SEED_MAX),
+    act_quant: bool = typer.Option(False, "--act-quant/--no-act-quant",
+                                   help="NVFP4 targets: emulate W4A4 (inputs NVFP4-quantized too) on both sides."),
     mode: Optional[str] = typer.Option(None, "--mode", help="replay (greedy default: one reference target forward "
                                                             "per prompt) or autoregressive (sampling's mode)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write report.json, report.md and plots here."),
@@ -52,7 +54,7 @@ def parity(
             return lambda _: bar.advance(task)
 
         report = check_parity(runtime, bundle, drafter, target, url, prompts, depth, max_new_tokens, temperature, seed,
-                              progress, mode, capture=capture)
+                              progress, mode, capture=capture, act_quant=act_quant)
     if out is not None:
         write_report(report, out, force=force, inputs=inputs)
     if as_json:

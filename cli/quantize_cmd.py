@@ -1,4 +1,4 @@
-"""`eagle31-export quantize MODEL_DIR --out DIR [--format ...] [--exclude ...] [--calib-prompts FILE]`."""
+"""`eagle31-export quantize MODEL_DIR --out DIR [--format ...] [--exclude ...] [--experts-only] [--calib-prompts FILE]`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def quantize(
     exclude: Optional[List[str]] = typer.Option(
         None, "--exclude", help="Keep matching Linears unquantized (exact name, substring or wildcard; repeatable). "
                                 "lm_head, routers and vision towers are always kept."),
+    experts_only: bool = typer.Option(
+        False, "--experts-only", help="Quantize only the routed MoE experts (ModelOpt's NVFP4_EXPERTS_ONLY_CFG: the "
+                                      "layout of the published Kimi K2.x NVFP4 checkpoints)."),
     calib_prompts: Optional[Path] = typer.Option(
         None, "--calib-prompts", help="JSONL calibration prompts: {\"prompt_ids\": [...]} or {\"text\": ...} "
                                       "(needs a tokenizer in MODEL_DIR). Default: a built-in set of token-id prompts."),
@@ -41,7 +44,8 @@ def quantize(
     console = Console(stderr=True)
     with _TensorBar(console) as progress:
         result = quantize_checkpoint(model_dir, out, fmt, exclude=tuple(exclude or ()), prompts=prompts, force=force,
-                                     progress=progress, inputs=(calib_prompts,) if calib_prompts else ())
+                                     progress=progress, inputs=(calib_prompts,) if calib_prompts else (),
+                                     experts_only=experts_only)
     for note in result.notes:
         console.print(f"[yellow]note: {note}[/]")
     if result.quantized:

@@ -94,6 +94,10 @@ class DrafterConfig:
     attention: AttentionKind = "gqa"
     mla: MlaConfig | None = None
     torch_dtype: str = "bfloat16"
+    # Where max_position_embeddings came from: "config" (the drafter's own), "target" (the drafter's
+    # config names none: its target's, see `with_max_positions`), "rope_scaling" (none and no target:
+    # yarn's original_max_position_embeddings * factor) or "default" (none at all: 2048 assumed).
+    max_position_source: str = field(default="config", compare=False)
     # Informational extras a format carried that have no architectural meaning here
     # (e.g. the verifier name). Kept so that writers can round-trip them.
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -105,6 +109,16 @@ class DrafterConfig:
     @property
     def eagle_version(self) -> str:
         return "3.1" if (self.fc_norm or self.norm_output) else "3"
+
+    @property
+    def eagle_variant(self) -> str:
+        """The variant exactly: "3", "3 + post-norm" (norm_output only), "3 + fc_norm" (fc_norm only),
+        "3.1" (both). `eagle_version` calls either flag "3.1" (the runtimes' 3.1 code path)."""
+        if self.fc_norm and self.norm_output:
+            return "3.1"
+        if self.norm_output:
+            return "3 + post-norm"
+        return "3 + fc_norm" if self.fc_norm else "3"
 
     @property
     def effective_target_hidden_size(self) -> int:
@@ -167,6 +181,9 @@ class DrafterConfig:
                               f"supported: {', '.join(HIDDEN_ACTS)}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ConfigError(f"drafter rope_scaling is {self.rope_scaling!r}; expected an object or null")
+        if self.max_position_source not in MAX_POSITIONS_SOURCES:
+            raise ConfigError(f"drafter max_position_source {self.max_position_source!r} is not one of "
+                              f"{', '.join(MAX_POSITIONS_SOURCES)}")
         if self.attention not in ("gqa", "mla"):
             raise ConfigError(f"drafter attention {self.attention!r} is not 'gqa' or 'mla'")
         if self.aux_layer_ids is not None:
@@ -190,6 +207,29 @@ class DrafterConfig:
         out.pop("extras")
         out["aux_layer_ids"] = list(self.aux_layer_ids) if self.aux_layer_ids is not None else None
         return out
+
+
+MAX_POSITIONS_SOURCES = ("config", "target", "rope_scaling", "default")
+
+
+def with_max_positions(cfg: DrafterConfig, target: "TargetInfo | None") -> DrafterConfig:
+    """The drafter config with max_position_embeddings resolved where its checkpoint names none.
+
+    The Kimi K2.x MLA drafter's config has no max_position_embeddings
+    (docs/drafter-formats.md#mla-drafter): it serves the target's context, so the target's value
+    applies; without a target, a yarn rope's original_max_position_embeddings * factor (the context
+    the scaling was made for), else 2048 stays assumed. A drafter that states its own keeps it.
+    """
+    if cfg.max_position_source not in ("default", "rope_scaling"):
+        return cfg
+    if target is not None and target.max_position_embeddings:
+        return cfg.replace(max_position_embeddings=target.max_position_embeddings, max_position_source="target")
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    original, factor = scaling.get("original_max_position_embeddings"), scaling.get("factor")
+    if kind == "yarn" and _is_int(original) and original > 0 and isinstance(factor, (int, float)) and factor >= 1:
+        return cfg.replace(max_position_embeddings=int(original * factor), max_position_source="rope_scaling")
+    return cfg
 
 
 def default_aux_layer_ids(target_num_layers: int) -> tuple[int, ...]:
@@ -222,6 +262,7 @@ class TargetInfo:
     num_key_value_heads: int
     intermediate_size: int
     tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "TargetInfo":
@@ -250,7 +291,11 @@ class TargetInfo:
         model_type = text.get("model_type", cfg.get("model_type", "unknown"))
         if not isinstance(model_type, str):
             raise ConfigError(f"target model_type is {model_type!r}; expected a string")
-        return cls(model_type=model_type, intermediate_size=intermediate, tie_word_embeddings=bool(tie), **sizes)
+        max_positions = text.get("max_position_embeddings")
+        if max_positions is not None:
+            _require_positive_ints("target", max_position_embeddings=max_positions)
+        return cls(model_type=model_type, intermediate_size=intermediate, tie_word_embeddings=bool(tie),
+                   max_position_embeddings=max_positions, **sizes)
 
 
 def compatibility_problems(cfg: DrafterConfig, target: TargetInfo, d2t_max_target_id: int | None) -> list[str]:

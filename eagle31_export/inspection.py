@@ -6,9 +6,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eagle31_export.config import output_to_before_layer
+import torch
+
+from eagle31_export.config import ConfigError, output_to_before_layer, with_max_positions
 from eagle31_export.errors import CheckpointError
-from eagle31_export.formats.drafter import read_drafter
+from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, t2d_from_d2t
 from eagle31_export.formats.pair import pair_problems
 from eagle31_export.formats.safetensors_io import read_json
 from eagle31_export.formats.target import inspect_target, read_target_info
@@ -36,23 +38,77 @@ def inspect_drafter(path: Path, target: str | os.PathLike | None) -> dict[str, A
     cfg = ckpt.config
     problems: list[str] = list(ckpt.problems)
     ids = cfg.aux_layer_ids
+    source = "config" if ids is not None else "default"
     if target is not None:
         info = read_target_info(target)
         problems += pair_problems(ckpt, info) if not ckpt.problems else []
-        if not any("tapped" in p for p in problems):
-            ids = cfg.resolved_aux_layer_ids(info.num_hidden_layers)
-    config = cfg.to_dict()
+        if ids is None and not any("tapped" in p for p in problems):
+            try:
+                ids, source = cfg.resolved_aux_layer_ids(info.num_hidden_layers), "default for the target"
+            except ConfigError:
+                pass  # pair_problems already says why the default does not apply
+        # What blocks exporting the target blocks exporting the pair (export.bundle.checked_pair).
+        problems += [f"target: {p}" for p in inspect_target(target)["problems"]]
+    resolved = with_max_positions(cfg, info if target is not None else None)
+    config = resolved.to_dict()
     config["aux_layer_ids"] = list(ids) if ids is not None else None
-    return {
+    report = {
         "kind": "drafter",
         "format": ckpt.format,
+        "origin": ckpt.origin or ckpt.format,
         "eagle_version": cfg.eagle_version,
+        "eagle_variant": cfg.eagle_variant,
         "config": config,
         "tapped_layers": {
             "output_of_layer": list(ids) if ids is not None else None,
             "before_layer": list(output_to_before_layer(ids)) if ids is not None else None,
+            "source": source,
         },
+        "vocabulary": vocabulary_summary(ckpt),
         "tensors": sorted(ckpt.tensors),
         "unknown_config_keys": ckpt.unknown_config_keys,
         "problems": problems,
     }
+    if ids is None:
+        report["taps"] = DEFAULT_TAPS_NOTE
+    report["max_positions"] = MAX_POSITIONS_NOTES[resolved.max_position_source].format(
+        n=resolved.max_position_embeddings)
+    return report
+
+
+# What `inspect` says about the drafter's max_position_embeddings (config.with_max_positions).
+MAX_POSITIONS_NOTES = {
+    "config": "{n} (the drafter's config)",
+    "target": "{n}, from the target (the drafter's config names no max_position_embeddings)",
+    "rope_scaling": "{n}, from rope_scaling (original_max_position_embeddings * factor: the drafter's config "
+                    "names no max_position_embeddings; pass --target to take the target's)",
+    "default": "{n} assumed: the drafter's config names no max_position_embeddings; pass --target to take the "
+               "target's",
+}
+
+
+DEFAULT_TAPS_NOTE = "default ({1, N//2-1, N-4} for an N-layer target; pass --target to resolve)"
+
+
+def vocabulary_summary(ckpt: DrafterCheckpoint) -> dict[str, Any]:
+    """The draft vocabulary: its size, the target ids it covers, and what d2t and t2d hold.
+
+    `d2t`: "identity" (all offsets zero), "offsets", or "absent" (draft id = target id);
+    `t2d`: "agrees with d2t", "differs from d2t" or "absent"; `target_ids` is None when d2t
+    points outside the target vocabulary (a problem `inspect` lists)."""
+    cfg = ckpt.config
+    out: dict[str, Any] = {"vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size}
+    has_d2t = "d2t" in ckpt.tensors
+    d2t = ckpt.d2t()  # zeros when absent
+    ids = torch.arange(d2t.numel()) + d2t
+    in_range = bool(ids.numel()) and int(ids.min()) >= 0 and int(ids.max()) < cfg.vocab_size
+    out["target_ids"] = {"min": int(ids.min()), "max": int(ids.max())} if in_range else None
+    out["d2t"] = ("offsets" if bool(d2t.any()) else "identity") if has_d2t else "absent"
+    if "t2d" not in ckpt.tensors:
+        out["t2d"] = "absent"
+    elif not in_range:
+        out["t2d"] = "differs from d2t"
+    else:
+        same = torch.equal(ckpt.tensors["t2d"].to(torch.bool), t2d_from_d2t(d2t, cfg.vocab_size))
+        out["t2d"] = "agrees with d2t" if same else "differs from d2t"
+    return out

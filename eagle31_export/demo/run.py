@@ -15,7 +15,7 @@ from eagle31_export.demo.pair import DRAFTERS, TARGET, TARGET_NVFP4, EmbeddedPai
 from eagle31_export.errors import MissingRuntimeError
 from eagle31_export.formats.outputs import atomic_output_dir
 from eagle31_export.inspection import inspect_path
-from eagle31_export.parity.acceptance import tau_by_depth, teacher_forced_agreement, text_prompts
+from eagle31_export.parity.acceptance import tau_by_depth, teacher_forced_agreement
 from eagle31_export.parity.compare import ParityReport, run_parity
 from eagle31_export.parity.report import write_report
 from eagle31_export.runtime.registry import PairSource, load_speculator
@@ -42,7 +42,7 @@ def run_demo(out: Path, pair_dir: Path, force: bool = True,
     advance = progress or (lambda step, amount: None)
     pair = EmbeddedPair.open(pair_dir)
     drafter31 = pair.drafter("EAGLE 3.1")
-    prompts = pair.held_out_prompts(64)[:PROMPTS]
+    prompts = pair.prompts(64)[:PROMPTS]
     with atomic_output_dir(out, force=force, inputs=[pair_dir]) as tmp:
         reports = {path.name: inspect_path(path, None if path.name.startswith("target") else pair.target)
                    for path in (pair.target, pair.target_nvfp4, *map(pair.drafter, DRAFTERS))}
@@ -57,7 +57,7 @@ def run_demo(out: Path, pair_dir: Path, force: bool = True,
         write_report(parity, tmp / "parity")
         advance("parity", 1)
         taus, agreement = {}, {}
-        windows = text_prompts(pair.tokenizer(), pair.held_out_texts(), 256 + max(DEPTHS))[:8]
+        windows = pair.agreement_windows(256 + max(DEPTHS))
         for target in (TARGET, TARGET_NVFP4):
             for label in DRAFTERS:
                 speculator = load_speculator("reference", PairSource.of(pair.drafter(label), pair.folder / target))
@@ -67,7 +67,8 @@ def run_demo(out: Path, pair_dir: Path, force: bool = True,
         (tmp / "tau.json").write_text(json.dumps([{"target": t, "drafter": d, "tau_by_depth": v,
                                                    "teacher_forced_agreement": agreement[(t, d)]}
                                                   for (t, d), v in taus.items()], indent=2) + "\n")
-        _plot_taus(taus, tmp / "tau_by_depth.png")
+        _plot_taus(taus, tmp / "tau_by_depth.png",
+                   f"{pair.name} pair, {'held-out text' if pair.has_text else 'its prompts'}, greedy")
     return DemoResult(out, reports, exports, parity, taus, agreement)
 
 
@@ -82,7 +83,11 @@ def _exports(drafter: Path, target: Path, tmp: Path) -> dict[str, str]:
 
     done = {}
     export_onnx(drafter, tmp / "onnx", target)
-    done["onnx"] = "drafter step graphs + target graph with Eagle31 plugin nodes (ONNX Runtime verified below)"
+    if "no_target_graph" in json.loads((tmp / "onnx" / "graphs.json").read_text()):
+        done["onnx"] = ("drafter step graphs with Eagle31 plugin nodes; no target graph (an MoE target: "
+                        "ONNX Runtime verifies with the reference target, below)")
+    else:
+        done["onnx"] = "drafter step graphs + target graph with Eagle31 plugin nodes (ONNX Runtime verified below)"
     export_trtllm(drafter, target, tmp / "trtllm", max_draft_len=3)
     done["trtllm"] = "TensorRT-LLM drafter folder + LLM-API YAML (trtllm-serve --config)"
     export_vllm(drafter, target, tmp / "vllm")
@@ -101,7 +106,7 @@ def _exports(drafter: Path, target: Path, tmp: Path) -> dict[str, str]:
     return done
 
 
-def _plot_taus(taus: dict, path: Path) -> None:
+def _plot_taus(taus: dict, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,7 +117,7 @@ def _plot_taus(taus: dict, path: Path) -> None:
         style = "-" if target == TARGET else ":"
         ax.plot(list(by_depth), list(by_depth.values()), "o" + style, label=f"{label} ({target})")
     ax.set(xlabel="draft depth", ylabel="tau (tokens per target forward)",
-           title="Tiny pair, held-out stdlib files, greedy")
+           title=title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

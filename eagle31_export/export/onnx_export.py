@@ -35,6 +35,7 @@ from eagle31_export.export import onnx_plugins as P
 from eagle31_export.export.onnx_drafter import DrafterGraphWriter
 from eagle31_export.export.onnx_graph import IR_VERSION, OPSET, ExternalWeights, io_description
 from eagle31_export.export.onnx_target import TargetGraphWriter
+from eagle31_export.config import with_max_positions
 from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.outputs import atomic_output_dir, check_output
 from eagle31_export.formats.safetensors_io import write_json
@@ -74,11 +75,14 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
     options.validate()
     ckpt = read_drafter(drafter_path)
     check_output(out, force, [drafter_path, target_path])  # before the slow part
-    target_model, aux_ids, nvfp4 = None, None, {}
+    target_model, aux_ids, nvfp4, no_graph = None, None, {}, None
+    own_embeddings = "embed_tokens.weight" in ckpt.tensors and "lm_head.weight" in ckpt.tensors
     if target_path is not None:
-        target_model, aux_ids, nvfp4 = _load_target(ckpt, target_path)
-    elif "embed_tokens.weight" not in ckpt.tensors or "lm_head.weight" not in ckpt.tensors:
+        target_model, aux_ids, nvfp4, no_graph = _load_target(ckpt, target_path, own_embeddings)
+    elif not own_embeddings:
         raise UserError(f"{drafter_path}: the drafter takes embed_tokens/lm_head from its target; pass --target")
+    else:
+        ckpt.config = with_max_positions(ckpt.config, None)  # no target: yarn's context, when it has one
     # The reference module gathers every weight under its canonical name (embeddings and lm_head
     # from the target where the drafter has none); fp32 here, rounded once to the export dtype.
     drafter = build_drafter(ckpt, dtype=torch.float32, target_model=target_model)
@@ -114,10 +118,20 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
             # where the graphs came from, so that parity tools can load the reference pair
             "source": sources,
         }
-        if target_model is not None:
+        if no_graph is not None:
+            meta["no_target_graph"] = no_graph  # runtimes verify with the reference target (source.target)
+        elif target_model is not None:
             meta["target"] = _export_target(target_model, aux_ids, nvfp4, options, tmp)
         write_json(tmp / GRAPHS_JSON, meta)
     return Path(out)
+
+
+def target_graph_problem(target_path: str | os.PathLike) -> str | None:
+    """Why the target gets no ONNX graph here (None: it gets one), from its config.json alone."""
+    from eagle31_export.export.onnx_target import graph_problem
+    from eagle31_export.formats.target import read_target_config
+
+    return graph_problem(read_target_config(target_path))
 
 
 def _source(path: str | os.PathLike | None, out: str | os.PathLike, relative: bool) -> str | None:
@@ -128,15 +142,24 @@ def _source(path: str | os.PathLike | None, out: str | os.PathLike, relative: bo
     return str(Path(path).resolve())
 
 
-def _load_target(ckpt, target_path):
-    from eagle31_export.export.onnx_target import check_target_config
-    from eagle31_export.formats.target import load_causal_lm, read_target_config
+def _load_target(ckpt, target_path, own_embeddings: bool):
+    """(target model or None, tapped ids, NVFP4 weights, why the target gets no graph or None).
 
-    aux_ids = read_pair(ckpt, target_path).aux_layer_ids
-    check_target_config(read_target_config(target_path))  # a target with no graph here: before loading it
+    A target the graph writer does not model (MoE targets: DeepSeek-V3 / Kimi K2, ...) gets none: the
+    drafter graphs are exported alone and runtimes verify with the reference target. It is then loaded
+    only when the drafter takes its embeddings or lm_head from it."""
+    from eagle31_export.formats.target import check_target, load_causal_lm
+
+    aux_ids = read_pair(ckpt, target_path).aux_layer_ids  # resolves max_position_embeddings too
+    no_graph = target_graph_problem(target_path)  # before loading anything
+    if no_graph is not None:
+        if own_embeddings:
+            check_target(target_path)  # structure only: the reference target loads it later
+            return None, aux_ids, {}, no_graph
+        return load_causal_lm(target_path, dtype=torch.float32), aux_ids, {}, no_graph
     # NVFP4 targets load dequantized (for norms, embeddings, rope); their packed weights are
     # read separately and go into the graph as they are.
-    return load_causal_lm(target_path, dtype=torch.float32), aux_ids, Q.read_nvfp4_weights(target_path)
+    return (load_causal_lm(target_path, dtype=torch.float32), aux_ids, Q.read_nvfp4_weights(target_path), None)
 
 
 def _export_target(model, aux_ids, nvfp4, options: OnnxExportOptions, tmp: Path) -> dict:

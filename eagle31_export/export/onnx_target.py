@@ -28,14 +28,22 @@ B, T, PAST, PRESENT = "batch", "sequence", "past_sequence", "present_sequence"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def check_target_config(config: dict) -> None:
-    """Refuse, from config.json alone, a target this graph writer does not model."""
+def graph_problem(config: dict) -> str | None:
+    """Why this graph writer does not model a target, from config.json alone (None: it does)."""
     text = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
     family = text.get("model_type", config.get("model_type", "?"))
     if family not in FAMILIES:
-        raise UserError(f"target model_type {family!r} has no ONNX export here (supported: {', '.join(FAMILIES)})")
+        return f"target model_type {family!r} has no ONNX export here (supported: {', '.join(FAMILIES)})"
     if "sliding_attention" in (text.get("layer_types") or []):
-        raise UserError("the target uses sliding-window attention layers, which the ONNX target graph does not model")
+        return "the target uses sliding-window attention layers, which the ONNX target graph does not model"
+    return None
+
+
+def check_target_config(config: dict) -> None:
+    """Refuse, from config.json alone, a target this graph writer does not model."""
+    problem = graph_problem(config)
+    if problem is not None:
+        raise UserError(problem)
 
 
 class TargetGraphWriter:

@@ -20,7 +20,7 @@ import torch
 
 from eagle31_export.config import ConfigError, DrafterConfig
 from eagle31_export.errors import CheckpointError
-from eagle31_export.formats.drafter_formats import FORMATS, DrafterFormat, detect_format
+from eagle31_export.formats.drafter_formats import FORMATS, DrafterFormat, detect_format, drafter_origin
 from eagle31_export.formats.safetensors_io import (
     SafetensorsDir,
     atomic_output_dir,
@@ -82,6 +82,7 @@ class DrafterCheckpoint:
     # with strict=False (`inspect`), which reports them instead of refusing the checkpoint.
     problems: list[str] = field(default_factory=list)
     tensor_prefix: str = ""  # a prefix every stored name carried and reading removed (e.g. "model.")
+    origin: str = ""  # the project that wrote it (`drafter_formats.drafter_origin`); "" when not read from disk
 
     def d2t(self) -> torch.Tensor:
         if "d2t" in self.tensors:
@@ -180,7 +181,7 @@ def read_drafter(path: str | os.PathLike, strict: bool = True) -> DrafterCheckpo
     if problems and strict:
         more = f" ({len(problems) - 1} more problem(s): run `eagle31-export inspect {path}`)" if len(problems) > 1 else ""
         raise CheckpointError(f"drafter {path}: {problems[0]}{more}")
-    return DrafterCheckpoint(cfg, tensors, fmt.name, path, unknown, problems, prefix)
+    return DrafterCheckpoint(cfg, tensors, fmt.name, path, unknown, problems, prefix, drafter_origin(raw, fmt.name))
 
 
 # Prefixes training frameworks wrap a drafter's own names in (NeMo AutoModel saves `model.` + name).

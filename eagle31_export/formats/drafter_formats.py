@@ -37,7 +37,13 @@ HF_BOOKKEEPING = {
     "moe_layer_freq", "routed_scaling_factor", "topk_group", "n_group", "topk_method", "norm_topk_prob",
     "scoring_func", "aux_loss_alpha", "seq_aux", "ep_size", "num_nextn_predict_layers", "layer_types",
     "use_sliding_window", "sliding_window", "max_window_layers", "output_router_logits", "router_aux_loss_coef",
+    "auto_map",
 }
+# Bookkeeping keys a serving runtime still reads (transformers' attention-window settings): kept in
+# `DrafterConfig.extras` on read and written back by every writer, never dropped.
+RUNTIME_KEYS = ("sliding_window", "layer_types", "use_sliding_window", "max_window_layers")
+# What TorchSpec (lightseekorg/TorchSpec) adds to the configs it writes.
+TORCHSPEC_KEYS = {"_torchspec_version"}
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -106,6 +112,7 @@ def llama_fields(c: dict[str, Any]) -> dict[str, Any]:
         rope_theta=_float(c, "rope_theta", _float(rope_parameters, "rope_theta", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=_int(c, "max_position_embeddings", 2048),
+        max_position_source="config" if c.get("max_position_embeddings") is not None else "default",
         hidden_act=_str(c, "hidden_act", "silu"),
         attention_bias=_flag(c, "attention_bias"),
         torch_dtype=_str(c, "torch_dtype", _str(c, "dtype", "bfloat16")),
@@ -136,7 +143,15 @@ def llama_keys(cfg: DrafterConfig) -> dict[str, Any]:
     }
     if cfg.attention == "mla":
         out.update({k: getattr(cfg.mla, k) for k in MLA_KEYS})
+    out.update({k: cfg.extras[k] for k in RUNTIME_KEYS if k in cfg.extras})
+    if cfg.max_position_source == "default":  # never stated: do not bake in the 2048 assumed here
+        del out["max_position_embeddings"]
     return out
+
+
+def runtime_extras(c: dict[str, Any]) -> dict[str, Any]:
+    """The `RUNTIME_KEYS` a config carries, for `DrafterConfig.extras`."""
+    return {k: c[k] for k in RUNTIME_KEYS if k in c}
 
 
 LLAMA_KEYS = {
@@ -172,6 +187,7 @@ def _flat_config(c: dict[str, Any], ids: tuple[int, ...] | None, **flags: bool) 
         aux_layer_ids=ids,
         num_aux_hidden_states=_num_aux(c, ids),
         norm_before_residual=_flag(c, "norm_before_residual"),
+        extras=runtime_extras(c),
         **flags,
     )
 
@@ -302,7 +318,7 @@ class SpecForgeFormat(EagleFormat):
 
     name = "specforge"
     architecture = "LlamaForCausalLMEagle3"
-    known = EagleFormat.known | {"eagle_config", "use_aux_norm"}
+    known = EagleFormat.known | {"eagle_config", "use_aux_norm"} | TORCHSPEC_KEYS
 
     def read_config(self, c):
         eagle_cfg = _object(c, "eagle_config")
@@ -349,7 +365,7 @@ class SpeculatorsFormat(DrafterFormat):
             norm_output=_flag(c, "norm_output"),
             norm_before_fc=_flag(c, "norm_before_fc"),
             norm_before_residual=_flag(c, "norm_before_residual"),
-            extras={"speculators_config": c.get("speculators_config")},
+            extras={"speculators_config": c.get("speculators_config"), **runtime_extras(layer)},
         )
         unknown = _unknown(c, self.known) + [f"transformer_layer_config.{k}" for k in _unknown(layer, LLAMA_KEYS)]
         return cfg, unknown
@@ -393,16 +409,19 @@ class ModelOptFormat(DrafterFormat):
     name = "modelopt"
     stores_t2d = False  # ModelOpt exports carry no t2d
     known = LLAMA_KEYS | {"eagle_config", "draft_vocab_size", "target_hidden_size", "fc_norm", "norm_output",
-                          "num_aux_hidden_states", "norm_before_residual"}
+                          "num_aux_hidden_states", "norm_before_residual"} | TORCHSPEC_KEYS  # TorchSpec's MLA export
     eagle_known = {"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "use_input_layernorm_in_first_layer",
                    "use_last_layernorm", "next_layer_regular", "use_mtp_layernorm", "parallel_draft_step",
-                   "norm_before_fc", "return_hidden_post_norm", "eh_proj_before_attn", "eh_proj_bias"}
+                   "parallel_draft_heads_num_layers", "norm_before_fc", "return_hidden_post_norm",
+                   "eh_proj_before_attn", "eh_proj_bias"}
 
     def read_config(self, c):
         e = _object(c, "eagle_config")
         ids = _ids(e.get("eagle_aux_hidden_state_layer_ids"))
         if e.get("use_aux_hidden_state") is False:
             raise CheckpointError("eagle_config.use_aux_hidden_state is false: an EAGLE-1/2 drafter, not EAGLE-3")
+        if ids is not None and torchspec_shifted_ids(c):
+            ids = before_layer_to_output(ids)
         return _nested_eagle_config(self, c, c, e, ids)
 
     def write_config(self, cfg):
@@ -564,6 +583,29 @@ def detect_format(c: dict[str, Any], tensor_names: list[str]) -> DrafterFormat:
         "LlamaForCausalLMEagle3, speculators_model_type eagle3, a ModelOpt eagle_config, or a TensorRT-LLM "
         "eagle_config with midlayer.* tensors); is this a drafter?"
     )
+
+
+def torchspec_shifted_ids(c: dict[str, Any]) -> bool:
+    """Whether the tapped ids of a `layers.N.*` (ModelOpt-layout) config are TorchSpec's vLLM export of a
+    `kimi_k2` drafter: its converter adds 1 to every id for vLLM's before-layer reading, and only then
+    (docs/tapped-layers.md#torchspec-and-kimi_k2). Told by the `_torchspec_version` key it writes; a
+    `midlayer.*` TorchSpec checkpoint (SpecForge layout) is never shifted."""
+    return bool(TORCHSPEC_KEYS & set(c)) and c.get("model_type") == "kimi_k2"
+
+
+def drafter_origin(c: dict[str, Any], fmt_name: str) -> str:
+    """The project that wrote a drafter read in layout `fmt_name`: the layout's own name, except
+    for TorchSpec, which writes the SpecForge layout (`midlayer.*`) and, for vLLM and its MLA
+    drafters, the ModelOpt one (`layers.0.*`, `eagle_config`). TorchSpec is told by its
+    `_torchspec_version` key, or for `Eagle3DeepseekV2ForCausalLM` configs by an `eagle_config`
+    without the `next_layer_regular` that ModelOpt's export always writes."""
+    if TORCHSPEC_KEYS & set(c):
+        return "torchspec"
+    eagle_config = c.get("eagle_config") if isinstance(c.get("eagle_config"), dict) else None
+    if (fmt_name == ModelOptFormat.name and "Eagle3DeepseekV2ForCausalLM" in _architectures(c)
+            and eagle_config is not None and "next_layer_regular" not in eagle_config):
+        return "torchspec"
+    return fmt_name
 
 
 # ---- which layout each serving runtime reads ------------------------------------------------

@@ -22,8 +22,8 @@ import torch
 from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.nvfp4 import BLOCK_SIZE, reciprocal_f32
 from eagle31_export.formats.nvfp4_scheme import (
-    FUSED_GROUPS, QuantScheme, detect_scheme, exact_inverse, is_excluded, parse_exact_inverse,
-    unmatched_patterns,
+    FUSED_GROUPS, QuantScheme, detect_scheme, exact_inverse, is_excluded, is_router, parse_exact_inverse,
+    unlisted_router_ok, unmatched_patterns,
 )
 from eagle31_export.formats.nvfp4_stream import (
     TensorEntry, TensorStream, read_f32_scalars, read_shard_header, shard_files,
@@ -251,11 +251,13 @@ class NVFP4Checkpoint:
             if is_excluded(module, self.scheme.excluded):
                 self.problems.append(f"{module} is stored as NVFP4 but matches the exclusion list; "
                                      "runtimes will expect an unquantized weight there")
+        routers_ok = unlisted_router_ok(self.config)
         for name, (dtype, shape) in sorted(self.headers.items()):
             module, _, leaf = name.rpartition(".")
             if (leaf == "weight" and len(shape) == 2 and dtype in ("BF16", "F16", "F32") and module not in self.linears
                     and not any(k in module for k in ("embed", "norm", "wte", "wpe"))
-                    and not is_excluded(module, self.scheme.excluded)):
+                    and not is_excluded(module, self.scheme.excluded)
+                    and not (routers_ok and is_router(module))):
                 self.problems.append(f"{module} is stored unquantized ({dtype}) but not excluded; "
                                      "runtimes will expect NVFP4 tensors for it")
 

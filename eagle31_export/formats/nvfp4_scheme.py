@@ -16,6 +16,7 @@ module is the edge where the compressed-tensors names and reciprocals are transl
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -190,12 +191,70 @@ def pattern_matches(pattern: str, module: str) -> bool:
 
 
 def is_excluded(module: str, patterns: Iterable[str]) -> bool:
-    return any(pattern_matches(p, module) for p in patterns)
+    return _compiled(tuple(patterns))(module)
+
+
+def _expanded(pattern: str) -> list[str]:
+    """The pattern and, for a vLLM fused name (qkv_proj, gate_up_proj), the names of its parts."""
+    head, _, last = pattern.rpartition(".")
+    return [pattern] + [q for part in _PACKED_NAMES.get(last, ()) for q in _expanded(f"{head}.{part}" if head else part)]
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(patterns: tuple[str, ...]):
+    """`is_excluded` for one pattern list, precompiled: an MoE checkpoint matches tens of thousands of
+    modules against a list naming every layer."""
+    return _compile_list(patterns)
+
+
+def _compile_list(patterns: tuple[str, ...]):
+    """A matcher equal to `any(pattern_matches(p, module) for p in patterns)`: every pattern (and fused-name
+    expansion) as a substring (exact names included); wildcards ending in one `*` as prefixes, other
+    wildcards as one fnmatch regex; "re:" patterns on their own."""
+    regexes = [re.compile(p[3:]) for p in patterns if p.startswith("re:")]
+    plain = [q for p in patterns if not p.startswith("re:") for q in _expanded(p)]
+    def wildcard(q: str) -> bool:
+        return any(c in q for c in "*?[")
+
+    prefixes = tuple(q[:-1] for q in plain if q.endswith("*") and not wildcard(q[:-1]))
+    wild = [q for q in plain if wildcard(q) and not (q.endswith("*") and not wildcard(q[:-1]))]
+    union = re.compile("|".join(f"(?:{fnmatch.translate(q)})" for q in wild)) if wild else None
+
+    def matches(module: str) -> bool:
+        return (module.startswith(prefixes) or any(q in module for q in plain)
+                or (union is not None and union.match(module) is not None) or any(r.match(module) for r in regexes))
+
+    return matches
+
+
+# MoE routers that runtimes build unquantized whatever the exclusion list says, so that a BF16 router
+# missing from it is served as stored (docs/nvfp4.md#moe-routers-and-the-exclusion-list): vLLM's
+# DeepseekV2MoE (DeepSeek-V2/V3, Kimi K2) makes its gate a GateLinear with quant_config=None, and
+# TensorRT-LLM's DeepseekV3Gate holds a plain weight parameter. Routers of other architectures
+# (Qwen3-MoE, ...) are built with the checkpoint's quant config and must be listed.
+UNQUANTIZED_ROUTER_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+def unlisted_router_ok(config: dict[str, Any]) -> bool:
+    """Whether runtimes serve this architecture's MoE routers unquantized without an exclusion entry."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return text.get("model_type", config.get("model_type")) in UNQUANTIZED_ROUTER_MODEL_TYPES
+
+
+def is_router(module: str) -> bool:
+    """A MoE router (`...mlp.gate`), as DeepSeek-style and Qwen/Mixtral-style checkpoints name it."""
+    return module.endswith((".mlp.gate", ".block_sparse_moe.gate"))
 
 
 def unmatched_patterns(patterns: Iterable[str], modules: Iterable[str]) -> list[str]:
     modules = list(modules)
-    return [p for p in patterns if not any(pattern_matches(p, m) for m in modules)]
+    matchers = {p: _compile_list((p,)) for p in dict.fromkeys(patterns)}
+    remaining = list(matchers)
+    for module in modules:  # every pattern leaves the list at its first match
+        remaining = [p for p in remaining if not matchers[p](module)]
+        if not remaining:
+            break
+    return [p for p in patterns if p in remaining]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from eagle31_export.config import TargetInfo, compatibility_problems
+from eagle31_export.config import TargetInfo, compatibility_problems, with_max_positions
 from eagle31_export.errors import UserError
 from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter
 from eagle31_export.formats.target import read_target_info
@@ -47,5 +47,7 @@ def read_pair(drafter: str | os.PathLike | DrafterCheckpoint, target: str | os.P
     name = ckpt.path if isinstance(drafter, DrafterCheckpoint) else drafter
     info = read_target_info(target)
     check_fits(ckpt, info, name, target)
+    # a drafter config without max_position_embeddings serves its target's context (config.with_max_positions)
+    ckpt.config = with_max_positions(ckpt.config, info)
     ids = ckpt.config.resolved_aux_layer_ids(info.num_hidden_layers)
     return PairSpec(ckpt, Path(target), info, ids)

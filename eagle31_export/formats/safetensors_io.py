@@ -144,6 +144,9 @@ class SafetensorsDir(Mapping[str, torch.Tensor]):
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._where  # from the headers: Mapping's default would read the tensor
+
     def __len__(self) -> int:
         return len(self._where)
 

@@ -24,6 +24,8 @@ import torch
 
 from eagle31_export.config import ConfigError, TargetInfo
 from eagle31_export.errors import CheckpointError
+from eagle31_export.formats.experts import ExpertLayout, expert_problems
+from eagle31_export.formats.nvfp4_model import MODEL_TYPE_ALIASES
 from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
 from eagle31_export.formats.nvfp4_scheme import detect_scheme
 from eagle31_export.formats.safetensors_io import SafetensorsDir, read_json
@@ -56,6 +58,14 @@ def read_target_config(path: str | os.PathLike) -> dict[str, Any]:
     return cfg
 
 
+def transformers_config(config: dict[str, Any]):
+    """The transformers config of a target config.json: built-in classes only (an `auto_map` is never
+    executed), published aliases resolved (`kimi_k2` is DeepSeek-V3), `quantization_config` dropped."""
+    from eagle31_export.formats.nvfp4_model import plain_config
+
+    return plain_config(config)
+
+
 def read_target_info(path: str | os.PathLike) -> TargetInfo:
     cfg = read_target_config(path)
     try:
@@ -83,6 +93,8 @@ class TargetLayout:
     num_layers: int
     extra_layers: int  # stored layers past num_hidden_layers that the model ignores (MTP heads)
     zero_norms_ok: bool
+    experts: ExpertLayout | None = None  # how stored per-expert Linears map onto fused expert parameters
+    packed: bool = False  # NVFP4: quantized Linears are stored packed (other shapes and dtypes)
 
 
 def target_layout(path: str | os.PathLike, cfg: dict[str, Any] | None = None) -> TargetLayout:
@@ -135,6 +147,7 @@ def target_layout(path: str | os.PathLike, cfg: dict[str, Any] | None = None) ->
         num_layers=info.num_hidden_layers,
         extra_layers=int(text.get("num_nextn_predict_layers") or 0),
         zero_norms_ok=model_type in OFFSET_NORM_MODEL_TYPES,
+        experts=ExpertLayout.of(model),
     )
 
 
@@ -171,19 +184,26 @@ def structure_problems(names_shapes: dict[str, tuple[list[int], str]], layout: T
         problems.append(f"config.json says num_hidden_layers {layout.num_layers}, but the checkpoint stores "
                         f"{len(layers)} layers (numbered {min(layers)}..{max(layers)}); config and weights "
                         "do not belong together")
-    if not layout.exact_names:
-        return problems
-    missing = sorted(layout.needed - set(names_shapes))
-    if missing:
-        problems.append(f"tensor {missing[0]} is missing from the checkpoint ({len(missing)} missing in all); "
-                        "it would be left randomly initialised: is the checkpoint complete?")
-    unexpected = sorted(n for n in relevant if n not in layout.shapes)
-    if unexpected:
-        problems.append(f"{where.get(unexpected[0], unexpected[0])}: the model config.json describes has no "
-                        f"tensor of this name ({len(unexpected)} such tensors); config and weights do not "
-                        "belong together")
+    if layout.experts is not None:  # routed experts stored one by one: their count and (plain) shapes
+        slots = {n: slot for n in relevant if n not in layout.shapes and (slot := layout.experts.slot(n)) is not None
+                 and not _past_layers(n, layout.num_layers)}  # stored layers past the config's (MTP) are ignored
+        stored = None if layout.packed else {n: tuple(names_shapes[n][0]) for n in slots}
+        problems += expert_problems(slots, layout.shapes, stored)
+    if layout.exact_names:
+        missing = sorted(layout.needed - set(names_shapes))
+        if missing:
+            problems.append(f"tensor {missing[0]} is missing from the checkpoint ({len(missing)} missing in all); "
+                            "it would be left randomly initialised: is the checkpoint complete?")
+        unexpected = sorted(n for n in relevant if n not in layout.shapes)
+        if unexpected:
+            problems.append(f"{where.get(unexpected[0], unexpected[0])}: the model config.json describes has no "
+                            f"tensor of this name ({len(unexpected)} such tensors); config and weights do not "
+                            "belong together")
+    # tensors stored under the model's own names (converted layouts too: the attention of an MoE model)
     for name in sorted(set(names_shapes) & set(layout.shapes)):
         shape, dtype = names_shapes[name]
+        if layout.packed and dtype not in FLOAT_DTYPES:
+            continue  # an NVFP4 Linear's packed weight: `nvfp4_model.build_model` matches it
         if tuple(shape) != layout.shapes[name]:
             problems.append(f"{where.get(name, name)}: shape {list(shape)}, the model config.json describes "
                             f"expects {list(layout.shapes[name])}")
@@ -228,11 +248,17 @@ def target_problems(path: str | os.PathLike, values: bool = True, layout: Target
     return problems
 
 
+def _past_layers(name: str, num_layers: int) -> bool:
+    m = _LAYER_INDEX.search(name)
+    return m is not None and int(m.group(1)) >= num_layers
+
+
 def _nvfp4_view(layout: TargetLayout) -> TargetLayout:
     # NVFP4 Linears store `weight` packed (another shape and dtype) plus scales: `build_model`
-    # matches those tensor by tensor; only the layer count is compared here.
+    # matches those tensor by tensor; here the layer count, the routed experts' count and the
+    # tensors stored unquantized under the model's own names are compared.
     return TargetLayout(layout.shapes, layout.needed, layout.float_names, False, layout.ignore_unexpected,
-                        layout.num_layers, layout.extra_layers, layout.zero_norms_ok)
+                        layout.num_layers, layout.extra_layers, layout.zero_norms_ok, layout.experts, packed=True)
 
 
 def check_target(path: str | os.PathLike, values: bool = False, layout: TargetLayout | None = None) -> None:
@@ -282,8 +308,12 @@ def _load_plain(path: Path, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    raw = read_target_config(path)
     try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        if raw.get("model_type") in MODEL_TYPE_ALIASES:  # e.g. Kimi K2: the built-in DeepSeek-V3 class
+            config = transformers_config(raw)
+        else:
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: cannot read the target config ({err})") from None
     verbosity = hf_logging.get_verbosity()

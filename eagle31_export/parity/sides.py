@@ -42,8 +42,12 @@ def check_bundle(bundle: Path, drafter: Path | None, target: Path | None) -> Non
     plain drafter checkpoint) have nothing to check against."""
     ours = any((bundle / name).is_file() for name in (MANIFEST, "graphs.json", "bundle.json"))
     if ours:
+        # an ONNX export without a target graph runs on the reference target it was exported for
+        # (runtime/onnxruntime.py), whatever --target the reference side takes
+        verifies = (bundle / "graphs.json").is_file() and "no_target_graph" in json.loads(
+            (bundle / "graphs.json").read_text())
         check_artifacts(bundle, references=[role for role, given in (("drafter", drafter), ("target", target))
-                                            if given is None])
+                                            if given is None or (role == "target" and verifies)])
 
 
 def default_prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list[int]]:
@@ -54,16 +58,21 @@ def default_prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list
 
 def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target: Path | None, url: str | None,
                  prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                 progress=None, mode: str | None = None, capture: Path | None = None) -> ParityReport:
+                 progress=None, mode: str | None = None, capture: Path | None = None,
+                 act_quant: bool = False) -> ParityReport:
     """The whole parity check: both sides from the registry, the prompts, the comparison.
     `progress(total)` returns a per-prompt callback (the CLI draws it). With `capture` (instead of
-    `target`) both sides read the target's outputs from it and the prompts are the captured ones."""
+    `target`) both sides read the target's outputs from it and the prompts are the captured ones.
+    `act_quant`: an NVFP4 target computes W4A4 (its inputs NVFP4-quantized too) on both sides."""
     runtime_named(runtime)  # an unknown name fails before anything loads
     if bundle is not None and not bundle.is_dir():
         raise UserError(f"{bundle}: no such bundle folder")
     if bundle is not None:
         check_bundle(bundle, drafter, target or capture)
     if capture is not None:
+        if act_quant:
+            raise UserError("--act-quant changes how the target computes; a capture holds what it computed: "
+                            "drop --act-quant, or give --target")
         return _parity_on_capture(runtime, bundle, drafter or (bundle_sources(bundle)[0] if bundle else None), capture,
                                   url, prompts_file, depth, max_new_tokens, temperature, seed, progress, mode,
                                   target)
@@ -74,7 +83,7 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
                         "(or a bundle that records where it was exported from)")
     vocab = read_target_info(target).vocab_size
     prompts = read_prompts(prompts_file, target, vocab) if prompts_file else default_prompts(vocab)
-    options = LoadOptions(dtype=torch.float32)
+    options = LoadOptions(dtype=torch.float32, act_quant=act_quant)
     with tempfile.TemporaryDirectory(prefix="eagle31-parity-") as workdir:  # an on-the-fly export lives here
         reference = load_speculator("reference", PairSource.of(drafter, target), options)
         other = load_speculator(runtime, PairSource.of(drafter, target, bundle, url), options, workdir)

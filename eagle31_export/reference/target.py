@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -98,11 +100,29 @@ def _tap_into(store: dict[int, torch.Tensor], layer_id: int):
     return hook
 
 
+# Loaded models by (folder, dtype, act_quant, file sizes and times): two targets of one run over the same
+# checkpoint (parity's reference side and a runtime verifying with the reference target) share its
+# weights; each ReferenceTarget keeps its own cache. Held only while some ReferenceTarget uses it.
+_LOADED: "weakref.WeakValueDictionary[tuple, nn.Module]" = weakref.WeakValueDictionary()
+
+
+def _checkpoint_key(path: str | os.PathLike, dtype: torch.dtype, act_quant: bool) -> tuple:
+    folder = Path(path).resolve()
+    files = tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file()))
+    return str(folder), str(dtype), act_quant, files
+
+
 def load_target(path: str | os.PathLike, aux_layer_ids: tuple[int, ...], dtype: torch.dtype = torch.float32,
                 act_quant: bool = False) -> ReferenceTarget:
     from eagle31_export.formats.target import load_causal_lm
 
-    return ReferenceTarget(load_causal_lm(path, dtype=dtype, act_quant=act_quant), aux_layer_ids)
+    key = _checkpoint_key(path, dtype, act_quant) if Path(path).is_dir() else None
+    model = _LOADED.get(key) if key is not None else None
+    if model is None:
+        model = load_causal_lm(path, dtype=dtype, act_quant=act_quant)
+        if key is not None:
+            _LOADED[key] = model
+    return ReferenceTarget(model, aux_layer_ids)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from eagle31_export.reference.attention import MlaAttention, _deinterleave
 from eagle31_export.reference.drafter import Eagle3Drafter
 from eagle31_export.reference.rope import apply_rope, cos_sin
 
@@ -29,19 +30,14 @@ def ttt_forward(drafter: Eagle3Drafter, taps: torch.Tensor, x: torch.Tensor, unr
     keys, values, out_logits = [], [], []
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     scale = attn.softmax_scale
-    rep = attn.heads // attn.kv_heads
     for k in range(unroll):
         emb = drafter.embed_tokens(x[:, 1 + k:1 + k + t])
         gn = layer.hidden_norm(hidden)
         residual = gn if cfg.norm_before_residual else hidden
         u = torch.cat([layer.input_layernorm(emb), gn], -1)
-        q = attn.q_proj(u).view(b, t, attn.heads, attn.head_dim).transpose(1, 2)
-        kk = attn.k_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        cos, sin = cos_sin(torch.arange(t).unsqueeze(0) + k, attn.inv_freq, q.dtype, attn.rope_scale)
-        q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
-        keys.append(kk.repeat_interleave(rep, 1))
-        values.append(v.repeat_interleave(rep, 1))
+        q, kk, v = _project(attn, u, torch.arange(t).unsqueeze(0) + k)
+        keys.append(kk)
+        values.append(v)
         s0 = ((q @ keys[0].transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
         diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]
         p = torch.softmax(torch.cat([s0, *diag], -1), -1)
@@ -54,3 +50,27 @@ def ttt_forward(drafter: Eagle3Drafter, taps: torch.Tensor, x: torch.Tensor, unr
         out_logits.append(drafter.lm_head(normed))
         hidden = normed if cfg.norm_output else h
     return out_logits
+
+
+def _project(attn, u: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values [B, heads, T, dim] of one attention module at `positions`, keys and
+    values repeated to every query head: what `reference.attention` computes before attending."""
+    b, t, _ = u.shape
+    if isinstance(attn, MlaAttention):
+        m, h = attn.m, attn.heads
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(u))) if hasattr(attn, "q_a_proj") else attn.q_proj(u)
+        q_nope, q_pe = q.view(b, t, h, m.qk_head_dim).transpose(1, 2).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        latent, k_pe = attn.kv_a_proj_with_mqa(u).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        kv = attn.kv_b_proj(attn.kv_a_layernorm(latent)).view(b, t, h, -1).transpose(1, 2)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], -1)
+        cos, sin = cos_sin(positions, attn.inv_freq, u.dtype, attn.rope_scale)
+        q_pe = apply_rope(_deinterleave(q_pe), cos, sin)
+        k_pe = apply_rope(_deinterleave(k_pe.unsqueeze(1)), cos, sin).expand(b, h, t, m.qk_rope_head_dim)
+        return torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v
+    rep = attn.heads // attn.kv_heads
+    q = attn.q_proj(u).view(b, t, attn.heads, attn.head_dim).transpose(1, 2)
+    k = attn.k_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    v = attn.v_proj(u).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    cos, sin = cos_sin(positions, attn.inv_freq, q.dtype, attn.rope_scale)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)

@@ -277,8 +277,7 @@ def load(source, options, workdir: Path | None = None):
         folder = export_onnx(source.drafter, workdir / "onnx", source.target)
     target, drafter = load_backends(folder, chain=options.chain, threads=options.threads)
     if target is None:
-        if source.target is None:
-            raise UserError(f"{folder} has no target graph; pass --target for the reference target")
+        target_path = _verifying_target(drafter.export, source)
         from eagle31_export.reference.target import load_target
 
         ids = drafter.export.meta["drafter"]["aux_layer_ids"]
@@ -286,9 +285,22 @@ def load(source, options, workdir: Path | None = None):
             from eagle31_export.config import default_aux_layer_ids
             from eagle31_export.formats.target import read_target_info
 
-            ids = default_aux_layer_ids(read_target_info(source.target).num_hidden_layers)
-        target = load_target(source.target, tuple(ids), dtype=options.dtype, act_quant=options.act_quant)
+            ids = default_aux_layer_ids(read_target_info(target_path).num_hidden_layers)
+        target = load_target(target_path, tuple(ids), dtype=options.dtype, act_quant=options.act_quant)
     return LoopSpeculator("onnxruntime", target, drafter, exact=drafter.export.meta.get("dtype") == "fp32")
+
+
+def _verifying_target(export: OnnxExport, source) -> Path:
+    """The reference target that verifies an export without a target graph: the one it was exported for
+    (graphs.json `source.target`, a MoE target the graph writer does not model), else the one given."""
+    recorded = (export.meta.get("source") or {}).get("target") if "no_target_graph" in export.meta else None
+    if recorded:
+        path = export.folder / recorded  # absolute, or relative to the export folder
+        if (path / "config.json").is_file():
+            return path
+    if source.target is None:
+        raise UserError(f"{export.folder} has no target graph; pass --target for the reference target")
+    return Path(source.target)
 
 
 def prepare_servable(pair_dir: Path, target: Path) -> Path:
