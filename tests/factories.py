@@ -93,3 +93,32 @@ def greedy_decode(target, prompt_ids: list[int], max_new_tokens: int) -> list[in
         logits, _ = target.forward(torch.tensor([[out[-1]]]))
         out.append(int(torch.argmax(logits[0, -1])))
     return out
+
+
+def kimi_make_pair_module():
+    """`examples/kimi/make_pair.py` as a module: the published Kimi K2.x configs live there once."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "kimi" / "make_pair.py"
+    spec = importlib.util.spec_from_file_location("kimi_make_pair", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_ttt_matches_inference(drafter, taps: torch.Tensor, x: torch.Tensor, unroll: int) -> None:
+    """The teacher-forced chain (`ttt_forward`) equals the drafter run step by step as inference runs it,
+    from every anchor position: step 1 from the taps, later steps from the fed-back state."""
+    from eagle31_export.reference.attention import KVCache
+    from eagle31_export.reference.ttt import ttt_forward
+
+    with torch.no_grad():
+        ttt = ttt_forward(drafter, taps, x, unroll)
+        for anchor in range(taps.shape[1]):
+            cache = KVCache()
+            step = drafter(x[:, 1:anchor + 2], torch.arange(anchor + 1).unsqueeze(0), taps[:, :anchor + 1], cache, True)
+            torch.testing.assert_close(step.logits[0, -1], ttt[0][0, anchor], rtol=1e-9, atol=1e-9)
+            for k in range(1, unroll):
+                step = drafter(x[:, anchor + 1 + k:anchor + 2 + k], torch.tensor([[anchor + k]]),
+                               step.fed_back[:, -1:], cache, False)
+                torch.testing.assert_close(step.logits[0, -1], ttt[k][0, anchor], rtol=1e-9, atol=1e-9)

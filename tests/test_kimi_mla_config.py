@@ -2,23 +2,12 @@
 flags its EAGLE 3.1 checkpoint sets). Full-size weights are ~2 GB, so shapes are checked on the
 meta device: the reader must produce the architecture those weights have."""
 
+from factories import kimi_make_pair_module
 from eagle31_export.formats.drafter import expected_shapes
 from eagle31_export.formats.drafter_formats import detect_format
 
-KIMI_EAGLE31_MLA = {
-    "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "hidden_size": 7168,
-    "intermediate_size": 18432, "num_hidden_layers": 1, "num_attention_heads": 64, "num_key_value_heads": 64,
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "hidden_act": "silu", "rms_norm_eps": 1e-05, "vocab_size": 163840, "draft_vocab_size": 163840,
-    "torch_dtype": "bfloat16", "rope_theta": 50000.0,
-    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True,
-                     "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
-                     "use_mtp_layernorm": False},
-    "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 0,
-    "fc_norm": True, "norm_output": True,
-}
+# the published config (examples/kimi/make_pair.py) plus the flags of its EAGLE 3.1 checkpoint
+KIMI_EAGLE31_MLA = {**kimi_make_pair_module().PUBLISHED_DRAFTER, "fc_norm": True, "norm_output": True}
 
 
 def test_kimi_mla_drafter_config_reads_into_the_canonical_model():

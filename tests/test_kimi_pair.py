@@ -7,7 +7,6 @@ test needs another configuration (group-limited routing, fp32)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from factories import assert_ttt_matches_inference, kimi_make_pair_module
 from eagle31_export.demo.pair import EmbeddedPair, pair_folder
 from eagle31_export.formats.drafter import read_drafter, write_drafter
 from eagle31_export.formats.target import load_causal_lm, read_target_config, transformers_config
@@ -27,14 +27,7 @@ DRAFTER, DRAFTER3 = MODELS / "drafter-eagle31", MODELS / "drafter-eagle3"
 TARGET, TARGET_NVFP4 = MODELS / "target", MODELS / "target-nvfp4"
 
 
-def _make_pair_module():
-    spec = importlib.util.spec_from_file_location("kimi_make_pair", ROOT / "examples" / "kimi" / "make_pair.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-MAKE = _make_pair_module()
+MAKE = kimi_make_pair_module()
 
 
 def bits(t):
@@ -353,24 +346,13 @@ def test_demo_pair_by_name_and_its_prompts():
 
 def test_teacher_forced_mla_chain_matches_inference():
     """The teacher-forced chain (`diagnose`, demo agreement) computes what the MLA drafter runs."""
-    from eagle31_export.reference.attention import KVCache
     from eagle31_export.reference.drafter import build_drafter
-    from eagle31_export.reference.ttt import ttt_forward
 
     drafter = build_drafter(read_drafter(DRAFTER), dtype=torch.float64)
     t, unroll = 5, 3
     x = torch.randint(0, 768, (1, t + unroll + 1))
     taps = torch.randn(1, t, drafter.cfg.fc_in_features, dtype=torch.float64)
-    with torch.no_grad():
-        ttt = ttt_forward(drafter, taps, x, unroll)
-        for anchor in range(t):
-            cache = KVCache()
-            step = drafter(x[:, 1:anchor + 2], torch.arange(anchor + 1).unsqueeze(0), taps[:, :anchor + 1], cache, True)
-            torch.testing.assert_close(step.logits[0, -1], ttt[0][0, anchor], rtol=1e-9, atol=1e-9)
-            for k in range(1, unroll):
-                step = drafter(x[:, anchor + 1 + k:anchor + 2 + k], torch.tensor([[anchor + k]]),
-                               step.fed_back[:, -1:], cache, False)
-                torch.testing.assert_close(step.logits[0, -1], ttt[k][0, anchor], rtol=1e-9, atol=1e-9)
+    assert_ttt_matches_inference(drafter, taps, x, unroll)
 
 
 def test_precompiled_exclusion_matching_equals_the_rule():
