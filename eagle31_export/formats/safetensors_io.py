@@ -35,6 +35,28 @@ DTYPE_BYTES: dict[str, int | None] = {
     "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "C64": 8, "I64": 8, "U64": 8, "F64": 8,
     "F4": None, "F6_E2M3": None, "F6_E3M2": None,
 }
+# The torch dtype of each floating-point safetensors dtype a checkpoint stores weights in.
+FLOAT_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+# Stored dtype -> the wider dtypes that hold each of its values exactly (a cast there is lossless,
+# so computing in them from stored weights gives what loading the weights in them gives).
+_EXACT_UPCASTS = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
+                  torch.float32: (torch.float64,)}
+
+
+def upcasts_exactly(stored: torch.dtype, compute: torch.dtype) -> bool:
+    """True when every `stored` value is exactly a `compute` value and `compute` is wider: weights
+    can then stay as stored and be cast per operation with the same results."""
+    return compute in _EXACT_UPCASTS.get(stored, ())
+
+
+def stored_float_dtype(source: "SafetensorsDir") -> torch.dtype | None:
+    """The floating-point dtype most of the checkpoint's floating-point bytes are stored in
+    (None when it stores none)."""
+    by_dtype: dict[str, int] = {}
+    for entry in source.headers.values():
+        if entry.dtype in FLOAT_TORCH_DTYPES:
+            by_dtype[entry.dtype] = by_dtype.get(entry.dtype, 0) + entry.end - entry.begin
+    return FLOAT_TORCH_DTYPES[max(by_dtype, key=by_dtype.get)] if by_dtype else None
 
 
 @dataclass(frozen=True)

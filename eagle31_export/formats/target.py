@@ -28,7 +28,13 @@ from eagle31_export.formats.experts import ExpertLayout, expert_problems
 from eagle31_export.formats.nvfp4_model import MODEL_TYPE_ALIASES
 from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
 from eagle31_export.formats.nvfp4_scheme import detect_scheme
-from eagle31_export.formats.safetensors_io import SafetensorsDir, read_json
+from eagle31_export.formats.safetensors_io import (
+    FLOAT_TORCH_DTYPES,
+    SafetensorsDir,
+    read_json,
+    stored_float_dtype,
+    upcasts_exactly,
+)
 from eagle31_export.formats.weight_checks import FLOAT_DTYPES, role_of, scan_checkpoint, scan_tensors
 
 # Where transformers causal LMs keep their decoder layer stack (reference.target taps these).
@@ -273,13 +279,19 @@ def _first_of(path: Path, problems: list[str]) -> str:
     return f"target {path}: {problems[0]}{more}"
 
 
-def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, act_quant: bool = False):
+def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, act_quant: bool = False,
+                   stored_weights: bool = False):
     """A transformers causal LM with the checkpoint's weights, in `dtype`, in eval mode.
 
     The checkpoint is checked against its config before any weight is loaded, and the loaded
     weights for NaN/Inf and all-zero norms (in memory: no second read of the files).
     NVFP4 checkpoints get dequantized weights; with `act_quant` every quantized Linear also
     fake-quantizes its input to NVFP4, as the runtime's W4A4 GEMMs do.
+
+    `stored_weights`: keep the weights in memory as stored wherever `dtype` widens them exactly
+    (a bf16 checkpoint stays bf16; NVFP4 Linears stay packed, `nvfp4_model.NVFP4Linear`), for a
+    caller that then computes in `dtype` per operation (`reference.upcast.compute_in`): about the
+    checkpoint's bytes instead of 2x (bf16 in fp32) or ~7x (NVFP4 dequantized to fp32).
     """
     from transformers.utils import logging as hf_logging
 
@@ -294,13 +306,39 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     if nvfp4:
         from eagle31_export.formats.nvfp4_model import build_model
 
-        model = build_model(NVFP4Checkpoint.open(path), dtype=dtype, act_quant=act_quant)
+        model = build_model(NVFP4Checkpoint.open(path), dtype=dtype, act_quant=act_quant, packed=stored_weights)
     else:
-        model = _load_plain(path, dtype)
+        model = _load_stored(path, dtype, layout) if stored_weights else _load_plain(path, dtype)
     params = list(model.named_parameters())
     scan = scan_tensors(params, {n: role_of(n, p.dim()) for n, p in params}, zero_norms_ok=layout.zero_norms_ok)
     if scan.problems:
         raise CheckpointError(_first_of(path, scan.problems))
+    return model
+
+
+def _load_stored(path: Path, dtype: torch.dtype, layout: TargetLayout):
+    """A plain checkpoint with its weights held as stored, for computing in `dtype` per operation.
+
+    The model is loaded in the dtype most of its bytes are stored in, when `dtype` widens that
+    exactly; tensors stored in a dtype that one does not hold exactly (DeepSeek-V3's fp32 routing
+    bias among bf16 weights) then get their stored values back, so that nothing is rounded that a
+    load in `dtype` keeps. Otherwise (a `dtype` no wider than the stored one, or such tensors under
+    names the model renames) the weights are loaded in `dtype`, cast once, as `_load_plain` does."""
+    source = SafetensorsDir(path)
+    storage = stored_float_dtype(source)
+    if storage is None or not upcasts_exactly(storage, dtype):
+        return _load_plain(path, dtype)
+    unheld = [n for n in source if (d := FLOAT_TORCH_DTYPES.get(source.headers[n].dtype)) is not None
+              and d != storage and not upcasts_exactly(d, storage) and not _IGNORED.search(n)]
+    if any(n not in layout.shapes for n in unheld):
+        return _load_plain(path, dtype)
+    model = _load_plain(path, storage)
+    state = model.state_dict(keep_vars=True)
+    for name in unheld:
+        value = source[name].clone()  # not a view of the file mapping: the file may change later
+        keep = value.dtype == dtype or upcasts_exactly(value.dtype, dtype)
+        if state[name].dtype != value.dtype:
+            state[name].data = value if keep else value.to(dtype)
     return model
 
 

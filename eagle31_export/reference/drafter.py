@@ -134,14 +134,21 @@ class Eagle3Drafter(nn.Module):
 
 def build_drafter(ckpt, dtype: torch.dtype = torch.float32, target_model: nn.Module | None = None,
                   kernels: DrafterKernels | None = None) -> Eagle3Drafter:
-    """The reference drafter filled from a `DrafterCheckpoint` (canonical names).
+    """The reference drafter filled from a `DrafterCheckpoint` (canonical names), computing in `dtype`.
 
-    Embeddings, and lm_head when absent, come from the target model, as every runtime does.
+    Embeddings, and lm_head when absent, come from the target model, as every runtime does: the
+    very tensors the target holds (or its packed NVFP4 lm_head module), never a second copy.
+    Weights stay as stored wherever `dtype` widens them exactly and are cast per operation
+    (`reference.upcast`); `fc` and the norms, which the fused operations take as tensors, are
+    held in `dtype` (`fc.weight.dtype` is the drafter's compute dtype).
     """
     from eagle31_export.errors import CheckpointError
+    from eagle31_export.formats.safetensors_io import upcasts_exactly
+    from eagle31_export.reference.upcast import compute_in
 
     cfg = ckpt.config
     state = {name: ckpt.tensors[name] for name in ckpt.tensors if name != "t2d"}
+    shared_head = None
     if "embed_tokens.weight" not in state:
         if target_model is None:
             raise CheckpointError("the drafter has no embed_tokens; load it together with its target")
@@ -149,9 +156,54 @@ def build_drafter(ckpt, dtype: torch.dtype = torch.float32, target_model: nn.Mod
     if "lm_head.weight" not in state:
         if target_model is None or cfg.draft_vocab_size != cfg.vocab_size:
             raise CheckpointError("the drafter has no lm_head; it needs the target's, with draft_vocab_size == vocab_size")
-        state["lm_head.weight"] = target_model.get_output_embeddings().weight.detach()
+        head = target_model.get_output_embeddings()
+        if isinstance(getattr(head, "weight", None), torch.Tensor):
+            state["lm_head.weight"] = head.weight.detach()
+        else:  # an NVFP4 lm_head kept packed: share its storage, without the target's input quantization
+            shared_head = _shared_packed_head(head)
+            state["lm_head.weight"] = torch.empty((cfg.draft_vocab_size, cfg.hidden_size), device="meta")
     state.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
     state["d2t"] = state["d2t"].to(torch.int64)
-    module = Eagle3Drafter(cfg, kernels)
-    module.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True)
-    return module.to(dtype).eval()
+
+    def held(name: str, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype == dtype:
+            return t
+        directly_used = name == "fc.weight" or name.startswith("fc_norm.") or name.endswith("norm.weight")
+        return t if upcasts_exactly(t.dtype, dtype) and not directly_used else t.to(dtype)
+
+    state = {k: held(k, v) for k, v in state.items()}
+    module = _unfilled_drafter(cfg, kernels)
+    # assign: the module takes the tensors themselves (the target's embeddings included), not copies
+    module.load_state_dict(state, strict=True, assign=True)
+    for sub in module.modules():  # buffers computed from the config (rotary tables) in `dtype`, as before
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf.is_floating_point():
+                setattr(sub, name, buf.to(dtype))
+    if shared_head is not None:
+        module.lm_head = shared_head
+    return compute_in(module, dtype).eval()
+
+
+def _unfilled_drafter(cfg: DrafterConfig, kernels: DrafterKernels | None) -> Eagle3Drafter:
+    """An Eagle3Drafter whose parameters are allocated but never written (every one is replaced by
+    `load_state_dict(assign=True)`): untouched pages cost no memory. Buffers computed from the
+    config (rotary tables) are real."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        import contextlib
+
+        no_init_weights = contextlib.nullcontext
+    with no_init_weights():
+        return Eagle3Drafter(cfg, kernels)
+
+
+def _shared_packed_head(head: nn.Module) -> nn.Module:
+    from eagle31_export.errors import CheckpointError
+    from eagle31_export.formats.nvfp4_model import NVFP4Linear
+
+    if not isinstance(head, NVFP4Linear):
+        raise CheckpointError(f"the target's lm_head is a {type(head).__name__} without a weight; the drafter "
+                              "cannot share it")
+    # the same codes and scales; no input quantization (the drafter's lm_head runs unquantized inputs)
+    return NVFP4Linear(head, head.weight_packed, head.weight_scale, head.weight_scale_2)

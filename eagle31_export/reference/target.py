@@ -50,7 +50,12 @@ class ReferenceTarget:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        """The compute dtype (weights may be held narrower, as stored: reference/upcast.py)."""
+        return getattr(self.model, "compute_dtype", None) or next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     @property
     def length(self) -> int:
@@ -64,16 +69,20 @@ class ReferenceTarget:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `input_ids` [1, T] to the cache; return logits [1, T, V] and taps [1, T, k*H]."""
+        """Append `input_ids` [1, T] to the cache; return logits [1, T, V] and taps [1, T, k*H].
+
+        The model computes on its own device (ids, positions and the cache live there); the results
+        come back on the device the ids came from, so callers on the CPU never see a GPU tensor."""
         if self.cache is None:
             self.reset()
-        t = input_ids.shape[1]
-        positions = torch.arange(self._length, self._length + t).unsqueeze(0)
+        t, back, device = input_ids.shape[1], input_ids.device, self.device
+        positions = torch.arange(self._length, self._length + t, device=device).unsqueeze(0)
         with self.tapping() as taps:
-            out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+            out = self.model(input_ids=input_ids.to(device), position_ids=positions, past_key_values=self.cache,
+                             use_cache=True)
         self.cache = out.past_key_values
         self._length += t
-        return out.logits, taps()
+        return out.logits.to(back), taps().to(back)
 
     @contextlib.contextmanager
     def tapping(self):
@@ -114,12 +123,18 @@ def _checkpoint_key(path: str | os.PathLike, dtype: torch.dtype, act_quant: bool
 
 def load_target(path: str | os.PathLike, aux_layer_ids: tuple[int, ...], dtype: torch.dtype = torch.float32,
                 act_quant: bool = False) -> ReferenceTarget:
+    """The reference target over the checkpoint at `path`, computing in `dtype`.
+
+    Weights stay in memory as stored (bf16 as bf16, NVFP4 packed) and are cast per operation
+    (`reference.upcast`): the same results as weights loaded in `dtype`, at about the
+    checkpoint's bytes."""
     from eagle31_export.formats.target import load_causal_lm
+    from eagle31_export.reference.upcast import compute_in
 
     key = _checkpoint_key(path, dtype, act_quant) if Path(path).is_dir() else None
     model = _LOADED.get(key) if key is not None else None
     if model is None:
-        model = load_causal_lm(path, dtype=dtype, act_quant=act_quant)
+        model = compute_in(load_causal_lm(path, dtype=dtype, act_quant=act_quant, stored_weights=True), dtype)
         if key is not None:
             _LOADED[key] = model
     return ReferenceTarget(model, aux_layer_ids)
@@ -129,5 +144,5 @@ def load_target(path: str | os.PathLike, aux_layer_ids: tuple[int, ...], dtype: 
 def tapped_forward(target: ReferenceTarget, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A cache-free forward over a batch [B, T]: logits and the same taps as `forward`."""
     with target.tapping() as taps:
-        logits = target.model(input_ids=input_ids, use_cache=False).logits
-    return logits, taps()
+        logits = target.model(input_ids=input_ids.to(target.device), use_cache=False).logits
+    return logits.to(input_ids.device), taps().to(input_ids.device)
