@@ -10,7 +10,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from eagle31_export.cli.common import parse_dtype
+from eagle31_export.cli.common import DeviceOpt, parse_dtype, print_json
+from eagle31_export.cli.progress import ProgressDisplay
 from eagle31_export.errors import UserError
 
 
@@ -41,6 +42,8 @@ def capture(
     top_k: int = typer.Option(8, "--top-k", min=1, help="Logits kept per position."),
     dtype: str = typer.Option("fp32", "--dtype", help="Compute dtype of the target: fp32, bf16 or fp16."),
     force: bool = typer.Option(False, "--force", help="Replace an earlier capture at --out."),
+    device: DeviceOpt = "cpu",
+    as_json: bool = typer.Option(False, "--json", help="Print what was captured, and the phase timings, as JSON."),
 ) -> None:
     """Run the target once over the prompts; write what greedy speculation reads from it."""
     from eagle31_export.formats.prompts import read_prompts
@@ -48,28 +51,27 @@ def capture(
     from eagle31_export.formats.target_tp import launch_world
     from eagle31_export.parity.sides import default_prompts
     from eagle31_export.reference.capture import CaptureOptions, capture as run_capture, resolve_aux_layer_ids
+    from eagle31_export.runtime.registry import resolve_device
 
     layers = resolve_aux_layer_ids(target, drafter, parse_layer_ids(aux_layer_ids) if aux_layer_ids else None)
     vocab = read_target_info(target).vocab_size
     prompt_ids = read_prompts(prompts, target, vocab) if prompts else default_prompts(vocab)
     options = CaptureOptions(max_new_tokens=max_new_tokens, depth=depth, top_k=top_k, dtype=parse_dtype(dtype),
-                             force=force)
+                             force=force, device=resolve_device(device, "reference"))
     rank, world = launch_world()
     console = Console(stderr=True)
     if rank != 0:
         run_capture(target, prompt_ids, layers, out, options, inputs=(drafter, prompts))
         _leave_at_once()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("capture"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("prompts", total=len(prompt_ids))
-        result = run_capture(target, prompt_ids, layers, out, options,
-                             progress=lambda done, total: bar.update(task, completed=done),
-                             inputs=(drafter, prompts))
-    where = f" on {world} processes (tensor-parallel)" if world > 1 else ""
-    console.print(f"captured {result.prompts} prompts x {result.continuation} greedy tokens{where}; "
-                  f"wrote {result.out}")
+    with ProgressDisplay("capture", console) as display:
+        result = run_capture(target, prompt_ids, layers, out, options, progress=display, inputs=(drafter, prompts))
+    if as_json:
+        print_json({"out": str(result.out), "prompts": result.prompts, "continuation": result.continuation,
+                    "world_size": world, "device": options.device, "timings": result.timings})
+    else:
+        where = f" on {world} processes (tensor-parallel)" if world > 1 else ""
+        console.print(f"captured {result.prompts} prompts x {result.continuation} greedy tokens{where}; "
+                      f"wrote {result.out}")
     if world > 1:
         _leave_at_once()
 

@@ -48,6 +48,9 @@ UrlOpt = Annotated[Optional[str], typer.Option("--url", help="Triton server HTTP
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1)]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", min=0.0, callback=finite_number)]
 SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=SEED_MAX)]
+DeviceOpt = Annotated[str, typer.Option(
+    "--device", help="Where the PyTorch reference computes: cpu, cuda, or auto (cuda when torch sees a GPU). "
+                     "ONNX Runtime runs on CPU.")]
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from eagle31_export.cli.progress import working
+
 
 def register(app: typer.Typer) -> None:
     app.command("convert")(convert)
@@ -19,5 +21,6 @@ def convert(
     """Convert pickle weights to safetensors with torch.load(weights_only=True): tensors only, no code runs."""
     from eagle31_export.formats.convert import convert_pickle_checkpoint
 
-    result = convert_pickle_checkpoint(src, out, force=force)
+    with working("convert"):
+        result = convert_pickle_checkpoint(src, out, force=force)
     typer.echo(f"{result.tensors} tensors ({result.bytes / 1e6:.1f} MB) written as safetensors to {result.out}")

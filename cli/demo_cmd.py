@@ -6,8 +6,9 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
+
+from eagle31_export.cli.progress import ProgressDisplay
 
 
 def register(app: typer.Typer) -> None:
@@ -27,10 +28,14 @@ def demo(out: Path = typer.Option(Path("out/demo"), "--out", help="Where the dem
 
     torch.set_num_threads(1)  # tiny models: threads only contend
     console = Console()
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("demo", total=STEPS)
-        result = run_demo(out, pair_folder(pair), force=force,
-                          progress=lambda step, amount: bar.update(task, advance=amount, description=step))
+    with ProgressDisplay(console=console) as display:
+        done = [0.0]
+
+        def advance(step: str, amount: float) -> None:
+            done[0] += amount
+            display.update("demo", done[0], STEPS, label=step)
+
+        result = run_demo(out, pair_folder(pair), force=force, progress=advance)
     _render(console, result)
 
 

@@ -10,11 +10,11 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress
 from rich import box
 from rich.table import Table
 
-from eagle31_export.cli.common import print_json
+from eagle31_export.cli.common import DeviceOpt, print_json
+from eagle31_export.cli.progress import ProgressDisplay
 
 
 def register(app: typer.Typer) -> None:
@@ -38,6 +38,7 @@ def diagnose(
     out: Optional[Path] = typer.Option(None, "--out", help="Write diagnose.json and PNG plots here."),
     force: bool = typer.Option(False, "--force", help="Replace an earlier diagnosis at --out."),
     as_json: bool = typer.Option(False, "--json", help="Print diagnose.json to stdout."),
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Measure attention drift per draft depth, teacher-forced on the target's own continuation."""
     from eagle31_export.formats.outputs import check_output
@@ -47,16 +48,16 @@ def diagnose(
     inputs = [drafter, target, capture, prompts]
     if out is not None:
         check_output(out, force, inputs)  # before the run, not after it
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        def progress(total):
-            task = bar.add_task("diagnose", total=total)
-            return lambda _: bar.advance(task)
-
+    with ProgressDisplay("diagnose") as display:
+        phases = display.phases()
         report = run_diagnose(drafter, target, prompts_file=prompts, depth=depth, positions=positions,
-                              num_sinks=num_sinks, progress=progress, capture=capture)
-    written = write_diagnose(report, out, force=force, inputs=inputs) if out is not None else []
+                              num_sinks=num_sinks, progress=phases, capture=capture, device=device)
+        written = []
+        if out is not None:
+            with phases.phase("write"):
+                written = write_diagnose(report, out, force=force, inputs=inputs)
     if as_json:
-        print_json(report.to_json())
+        print_json({**report.to_json(), "timings": phases.as_json()})
         return
     console = Console()
     headers, rows = table(report)

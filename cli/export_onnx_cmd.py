@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from eagle31_export.cli.common import DrafterOpt, ForceOpt, parse_dtype
+from eagle31_export.cli.common import DrafterOpt, ForceOpt, parse_dtype, print_json
+from eagle31_export.cli.progress import ProgressDisplay
 from eagle31_export.errors import MissingRuntimeError
 
 
@@ -30,6 +31,7 @@ def onnx_cmd(
     max_positions: Optional[int] = typer.Option(None, "--max-positions", min=1,
                                                 help="Rows of the rope tables (default: max_position_embeddings)."),
     force: ForceOpt = False,
+    as_json: bool = typer.Option(False, "--json", help="Print where the graphs went, and the phase timings, as JSON."),
 ) -> None:
     """ONNX graphs of one drafter step (first / next), optionally the whole chain and the target."""
     try:
@@ -42,10 +44,18 @@ def onnx_cmd(
     options = OnnxExportOptions(flavor=flavor, chain_depth=chain_depth, dtype=parse_dtype(dtype),
                                 max_positions=max_positions)
     console = Console(stderr=True)
-    with console.status("exporting ONNX graphs"):
-        path = export_onnx(drafter, out, target, options, force=force)
-    typer.echo(f"ONNX graphs written to {path} (inputs/outputs in {path / 'graphs.json'})")
+    with ProgressDisplay("export onnx", console) as display:
+        phases = display.phases()
+        path = export_onnx(drafter, out, target, options, force=force, progress=phases)
     meta = json.loads((path / "graphs.json").read_text())
+    if as_json:
+        graphs = {f"drafter_{role}": entry.get("file") for role, entry in meta["drafter"]["graphs"].items()}
+        if "target" in meta:
+            graphs["target"] = meta["target"].get("file")
+        print_json({"out": str(path), "graphs": graphs, "no_target_graph": meta.get("no_target_graph"),
+                    "timings": phases.as_json()})
+        return
+    typer.echo(f"ONNX graphs written to {path} (inputs/outputs in {path / 'graphs.json'})")
     if "no_target_graph" in meta:
         console.print(f"[yellow]note: drafter graphs only: {meta['no_target_graph']}; `speculate` and `parity` "
                       "on ONNX Runtime verify with the reference target[/]")

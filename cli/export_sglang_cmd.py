@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
+from eagle31_export.cli.progress import working
 
 
 def register(export_app: typer.Typer) -> None:
@@ -27,5 +28,6 @@ def sglang(
     """Drafter for SGLang's EAGLE3 algorithm + README with the `sglang.launch_server` flags."""
     from eagle31_export.export.sglang import export_sglang
 
-    path = export_sglang(drafter, target, out, tp, pp, steps, copy_target, force, runtime_version)
+    with working("export sglang"):
+        path = export_sglang(drafter, target, out, tp, pp, steps, copy_target, force, runtime_version)
     typer.echo(f"SGLang bundle written to {path} (see {path / 'README.md'} for the server command)")

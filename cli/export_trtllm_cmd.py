@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
+from eagle31_export.cli.progress import working
 
 
 def register(export_app: typer.Typer) -> None:
@@ -27,5 +28,6 @@ def trtllm(
     """Drafter in TensorRT-LLM's Eagle3 layout + LLM-API YAML for trtllm-serve / trtllm-bench."""
     from eagle31_export.export.trtllm import export_trtllm
 
-    path = export_trtllm(drafter, target, out, tp, pp, max_draft_len, copy_target, force, runtime_version)
+    with working("export trtllm"):
+        path = export_trtllm(drafter, target, out, tp, pp, max_draft_len, copy_target, force, runtime_version)
     typer.echo(f"TensorRT-LLM bundle written to {path} (see {path / 'README.md'} for the trtllm-serve command)")

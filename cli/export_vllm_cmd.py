@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
+from eagle31_export.cli.progress import working
 
 
 def register(export_app: typer.Typer) -> None:
@@ -28,5 +29,6 @@ def vllm(
     """Drafter for vLLM's eagle3 method (before-layer tap numbering) + README with `vllm serve`."""
     from eagle31_export.export.vllm import export_vllm
 
-    path = export_vllm(drafter, target, out, tp, pp, k, copy_target, force, runtime_version, layout)
+    with working("export vllm"):
+        path = export_vllm(drafter, target, out, tp, pp, k, copy_target, force, runtime_version, layout)
     typer.echo(f"vLLM bundle written to {path} (see {path / 'README.md'} for the vllm serve command)")

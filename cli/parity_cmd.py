@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import Progress
 
-from eagle31_export.cli.common import SEED_MAX, finite_number, print_json
+from eagle31_export.cli.common import SEED_MAX, DeviceOpt, finite_number, print_json
+from eagle31_export.cli.progress import ProgressDisplay
 from eagle31_export.cli.speculate_cmd import RUNTIME_HELP
 from eagle31_export.runtime.registry import DEFAULT_SERVING_RUNTIME
 
@@ -38,6 +38,7 @@ def parity(
     out: Optional[Path] = typer.Option(None, "--out", help="Write report.json, report.md and plots here."),
     force: bool = typer.Option(False, "--force", help="Replace an earlier report at --out."),
     as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Run reference and runtime on the same prompts; compare tokens, drafts, acceptance."""
     from eagle31_export.parity.report import markdown, write_report
@@ -48,17 +49,15 @@ def parity(
     inputs = [bundle, drafter, target, capture, prompts]
     if out is not None:
         check_output(out, force, inputs)  # before the run, not after it
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        def progress(total):
-            task = bar.add_task(f"parity vs {runtime}", total=total)
-            return lambda _: bar.advance(task)
-
+    with ProgressDisplay(f"parity vs {runtime}") as display:
+        phases = display.phases()
         report = check_parity(runtime, bundle, drafter, target, url, prompts, depth, max_new_tokens, temperature, seed,
-                              progress, mode, capture=capture, act_quant=act_quant)
-    if out is not None:
-        write_report(report, out, force=force, inputs=inputs)
+                              phases, mode, capture=capture, act_quant=act_quant, device=device)
+        if out is not None:
+            with phases.phase("write"):  # report.json holds the timings up to here; stdout's also this one
+                write_report(report, out, force=force, inputs=inputs)
     if as_json:
-        print_json(report.to_json())
+        print_json({**report.to_json(), "timings": phases.as_json()})
     else:
         Console().print(markdown(report))
     raise typer.Exit(0 if report.passed else 1)

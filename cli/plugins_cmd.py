@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eagle31_export.cli.common import print_json
+from eagle31_export.cli.progress import working
 from eagle31_export.kernels.build import BuildResult, build_plugins
 
 _PARTS = {"cpu": "CPU kernels", "cuda": "CUDA kernels", "tensorrt": "TensorRT plugins"}
@@ -37,7 +38,7 @@ def build(
 ) -> None:
     """Configure and build with CMake; report what was built and why anything was skipped."""
     console = Console(stderr=as_json)
-    with console.status("building plugins with CMake (the CUDA kernels take a minute) ..."):
+    with working("building plugins with CMake (the CUDA kernels take a minute)", "build", console):
         result = build_plugins(
             build_dir, cuda=cuda, tensorrt_root=tensorrt_root, tensorrt_compile_only=tensorrt_compile_only, jobs=jobs
         )

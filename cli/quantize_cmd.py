@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
+from eagle31_export.cli.progress import ProgressDisplay
 from eagle31_export.errors import UserError
 
 
@@ -42,9 +43,9 @@ def quantize(
     if calib_prompts is not None:
         prompts = read_prompts(calib_prompts, model_dir, read_target_info(model_dir).vocab_size)
     console = Console(stderr=True)
-    with _TensorBar(console) as progress:
+    with ProgressDisplay("quantize", console) as display:
         result = quantize_checkpoint(model_dir, out, fmt, exclude=tuple(exclude or ()), prompts=prompts, force=force,
-                                     progress=progress, inputs=(calib_prompts,) if calib_prompts else (),
+                                     progress=display.tensor_steps(), inputs=(calib_prompts,) if calib_prompts else (),
                                      experts_only=experts_only)
     for note in result.notes:
         console.print(f"[yellow]note: {note}[/]")
@@ -53,33 +54,3 @@ def quantize(
                       f"{len(result.excluded)} modules kept unquantized[/]")
     console.print(f"wrote {result.out}")
 
-
-class _TensorBar:
-    """A rich bar drawing the library's `progress(done, total, description)` reports (tensors written).
-
-    The bar starts on the first report, so nothing is drawn while the library calibrates, nor
-    when it fails before writing.
-    """
-
-    def __init__(self, console: Console):
-        self.console = console
-        self.bar = None
-        self.task = None
-
-    def __enter__(self) -> "_TensorBar":
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-        return False
-
-    def __call__(self, done: int, total: int, description: str) -> None:
-        if self.bar is None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                TextColumn("{task.description}"), console=self.console, transient=False)
-            self.bar.__enter__()
-            self.task = self.bar.add_task(description, total=total)
-        self.bar.update(self.task, completed=done, total=total, description=description)

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from eagle31_export.cli.common import SEED_MAX, finite_number, parse_dtype, print_json
+from eagle31_export.cli.common import SEED_MAX, DeviceOpt, finite_number, parse_dtype, print_json
+from eagle31_export.cli.progress import ProgressDisplay
 from eagle31_export.errors import UserError
 from eagle31_export.reference.speculate import check_prompt_ids
 from eagle31_export.runtime.registry import RUNTIMES
@@ -55,10 +56,12 @@ def speculate(
                                                                  "(one call per round; temperature 0 only)."),
     kernels: str = typer.Option("torch", "--kernels", help="reference runtime: the fused ops as plain torch (torch) "
                                                            "or through the plugin kernels (plugins, built on demand)."),
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Chain speculative decoding (PyTorch reference or exported ONNX graphs); prints tokens and acceptance statistics."""
     from eagle31_export.formats.tokenizer import load_tokenizer
-    from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator
+    from eagle31_export.reference.speculate import ProgressObserver
+    from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator, resolve_device
 
     if (prompt is None) == (prompt_ids is None):
         raise UserError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
@@ -75,16 +78,23 @@ def speculate(
         from eagle31_export.formats.target import read_target_info
 
         check_prompt_ids(ids, read_target_info(target).vocab_size, "--prompt-ids")
-    options = LoadOptions(dtype=parse_dtype(dtype), act_quant=act_quant, kernels=kernels, chain=chain)
     if capture is not None and target is not None:
         raise UserError("pass --target or --capture, not both")
-    speculator = load_speculator(runtime, PairSource.of(drafter, target, onnx_dir, url, capture), options)
-    chain_depth = getattr(getattr(speculator, "drafter", None), "chain_depth", None)
-    if chain and chain_depth is not None and depth > chain_depth:
-        raise UserError(f"the chain graph drafts {chain_depth} tokens per round; run with --depth <= {chain_depth}")
-    result = speculator.run(ids, max_new_tokens, depth, temperature, seed)
+    options = LoadOptions(dtype=parse_dtype(dtype), act_quant=act_quant, kernels=kernels, chain=chain,
+                          device=resolve_device(device, runtime))
+    with ProgressDisplay("speculate") as display:
+        phases = display.phases()
+        with phases.phase("load"):
+            speculator = load_speculator(runtime, PairSource.of(drafter, target, onnx_dir, url, capture), options)
+        chain_depth = getattr(getattr(speculator, "drafter", None), "chain_depth", None)
+        if chain and chain_depth is not None and depth > chain_depth:
+            raise UserError(f"the chain graph drafts {chain_depth} tokens per round; run with --depth <= "
+                            f"{chain_depth}")
+        with phases.phase("generate", total=max_new_tokens):
+            result = speculator.run(ids, max_new_tokens, depth, temperature, seed,
+                                    observer=ProgressObserver(phases, max_new_tokens))
     if as_json:
-        print_json(result.to_json())
+        print_json({**result.to_json(), "device": options.device, "timings": phases.as_json()})
         return
     console = Console()
     console.print(f"tokens: {result.tokens}")

@@ -56,6 +56,16 @@ def loaded_library(device_type: str) -> KernelLibrary | None:
     return _LOADED.get(device_type)
 
 
+def device_problem(device: str) -> str | None:
+    """Why the plugin kernels cannot run on `device` (cpu or cuda), in words; None when they can.
+    Without the CUDA library the ops would quietly fall back to their plain-torch form on GPU
+    tensors, which is `--kernels torch` under another name: callers refuse it instead."""
+    if device == "cuda" and loaded_library("cuda") is None:
+        return ("only the CPU plugin kernels are available (no CUDA kernel library is built); run "
+                "`eagle31-export plugins build --cuda`, or use --kernels torch or --device cpu")
+    return None
+
+
 def _cpu_library() -> KernelLibrary:
     lib = loaded_library("cpu")
     if lib is None:

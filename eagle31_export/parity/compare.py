@@ -12,6 +12,7 @@ Each failure is named by its symptom, which points at the usual cause.
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -19,7 +20,8 @@ from typing import Callable
 import torch
 
 from eagle31_export.errors import UserError
-from eagle31_export.parity.diagnose import per_depth_sides
+from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
+from eagle31_export.progress import Phases
 from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
 from eagle31_export.runtime.registry import Speculator
 
@@ -63,6 +65,8 @@ class ParityReport:
     failures: list[str] = field(default_factory=list)
     # per draft depth, both sides: teacher-forced agreement/acceptance and fed-back state RMS (parity/diagnose.py)
     per_depth: dict | None = None
+    # seconds per phase of the run (load_reference, load_runtime, compare, per_depth): eagle31_export/progress.py
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -77,7 +81,7 @@ class ParityReport:
                 "temperature": self.temperature, "exact_comparison": self.exact,
                 "thresholds": asdict(self.thresholds), "tau_reference": self.tau("reference"),
                 "tau_runtime": self.tau("runtime"), "failures": self.failures,
-                "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth}
+                "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth, "timings": self.timings}
 
 
 def _symptom(ref: SpecResult, run: SpecResult, round_index: int | None, logits_diff: float | None,
@@ -134,11 +138,13 @@ MODES = ("replay", "autoregressive")
 def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[int]], depth: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, exact: bool | None = None,
                thresholds: Thresholds = Thresholds(), on_prompt: Callable[[int], None] | None = None,
-               mode: str | None = None, per_depth_positions: int = 8) -> ParityReport:
+               mode: str | None = None, per_depth_positions: int = 8, progress=None) -> ParityReport:
     """`mode` "replay" (greedy only; the default there): the reference drafter is replayed at the
     runtime's round boundaries with one target forward per prompt; "autoregressive": the reference
     runs its own loop (the only mode for sampling). `per_depth_positions` > 0: also measure both
-    sides per draft depth at that many positions per prompt (`per_depth_sides`)."""
+    sides per draft depth at that many positions per prompt (`per_depth_sides`). `progress`: phases
+    `compare` (prompts done) and `per_depth`, timed into `report.timings` (eagle31_export/progress.py)."""
+    phases = Phases.of(progress)
     mode = mode or ("replay" if temperature == 0 and hasattr(reference, "replay") else "autoregressive")
     if mode not in MODES:
         raise UserError(f"unknown parity mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -146,6 +152,74 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
         raise UserError("replay parity compares greedy runs of a reference pair; use --mode autoregressive")
     exact = runtime.exact if exact is None else exact
     report = ParityReport(runtime.name, depth, temperature, exact, thresholds, mode)
+    with phases.phase("compare", total=len(prompts)):
+        _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens, temperature, seed, exact,
+                         thresholds, mode, on_prompt, phases)
+    report.failures = _failures(report)
+    if per_depth_positions:
+        with phases.phase("per_depth"):
+            report.per_depth = per_depth_sides(reference, runtime, prompts, depth, per_depth_positions)
+    report.timings = phases.as_json()
+    return report
+
+
+def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: Callable[[], Speculator],
+                       prompts: list[list[int]], depth: int, max_new_tokens: int, seed: int = 0,
+                       thresholds: Thresholds = Thresholds(), per_depth_positions: int = 8,
+                       progress=None) -> ParityReport:
+    """Greedy replay parity holding one side in memory at a time, for pairs whose target fits once but
+    not twice: the runtime generates every prompt and is released; only then is the reference loaded,
+    to replay its drafter at the runtime's round boundaries. The per-depth section measures both sides
+    on the runtime's own greedy continuations (the reference target's, where parity passes)."""
+    phases = Phases.of(progress)
+    with phases.phase("load_runtime"):
+        runtime = load_runtime()
+    runs = []
+    with phases.phase("runtime", total=len(prompts)):
+        for i, prompt in enumerate(prompts):
+            logits = FirstDraftLogits()
+            runs.append((runtime.run(prompt, max_new_tokens, depth, 0.0, seed + i, observer=logits), logits))
+            phases("runtime", i + 1, len(prompts))
+    positions = _positions_within(runs, depth, per_depth_positions)
+    continuations = [run.tokens[:positions + depth - 1] for run, _ in runs]
+    per_depth = {"positions_per_prompt": positions}
+    if positions:
+        with phases.phase("per_depth"):
+            per_depth["runtime"] = per_depth_side(runtime, prompts, depth, positions, continuations)
+    report = ParityReport(runtime.name, depth, 0.0, runtime.exact, thresholds, "replay")
+    del runtime
+    gc.collect()  # the runtime's weights and sessions go before the reference's arrive
+    with phases.phase("load_reference"):
+        reference = load_reference()
+    if not hasattr(reference, "replay"):
+        raise UserError("replay parity compares greedy runs of a reference pair; use --mode autoregressive")
+    atol = thresholds.logits_atol if report.exact else thresholds.half_precision_logits_atol
+    with phases.phase("compare", total=len(prompts)):
+        for i, (prompt, (run, run_logits)) in enumerate(zip(prompts, runs)):
+            ref_logits = FirstDraftLogits()
+            ref = reference.replay(prompt, run, observer=ref_logits)
+            row = compare_prompt(i, prompt, ref, run, _max_abs_diff(ref_logits.logits, run_logits.logits), atol)
+            row.target_forwards_reference = 1
+            report.rows.append(row)
+            phases("compare", i + 1, len(prompts))
+    report.failures = _failures(report)
+    if positions:
+        with phases.phase("per_depth"):
+            per_depth["reference"] = per_depth_side(reference, prompts, depth, positions, continuations)
+        report.per_depth = per_depth
+    report.timings = phases.as_json()
+    return report
+
+
+def _positions_within(runs, depth: int, wanted: int) -> int:
+    """Per-depth anchors per prompt that every runtime continuation is long enough for."""
+    if not wanted:
+        return 0
+    return max(0, min(wanted, *(len(run.tokens) - depth + 1 for run, _ in runs)))
+
+
+def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens, temperature, seed, exact,
+                     thresholds, mode, on_prompt, phases) -> None:
     for i, prompt in enumerate(prompts):
         run_logits, ref_logits = FirstDraftLogits(), FirstDraftLogits()
         run = runtime.run(prompt, max_new_tokens, depth, temperature, seed + i, observer=run_logits)
@@ -161,10 +235,7 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
         report.rows.append(row)
         if on_prompt:
             on_prompt(i)
-    report.failures = _failures(report)
-    if per_depth_positions:
-        report.per_depth = per_depth_sides(reference, runtime, prompts, depth, per_depth_positions)
-    return report
+        phases("compare", i + 1, len(prompts))
 
 
 def _failures(report: ParityReport) -> list[str]:

@@ -42,8 +42,9 @@ from typing import Callable
 import torch
 
 from eagle31_export.errors import UserError
+from eagle31_export.progress import Phases
 from eagle31_export.reference.speculate import ReferenceDrafterBackend
-from eagle31_export.runtime.registry import LoadOptions, LoopSpeculator, PairSource, load_speculator
+from eagle31_export.runtime.registry import LoadOptions, LoopSpeculator, PairSource, load_speculator, resolve_device
 
 ATTENTION_KINDS = ("sink", "prompt", "continuation", "drafted")
 
@@ -182,13 +183,15 @@ class _ReferenceProbe(_Probe):
 
     @torch.no_grad()
     def forward(self, ids, positions, hidden, hidden_is_aux: bool, recorder=None) -> _Step:
-        cache = self.backend.cache
-        cache.recorder = recorder
+        # the drafter computes on its own device; every measurement is taken on the caller's (CPU)
+        cache, device, back = self.backend.cache, self.backend.device, ids.device
+        cache.recorder = None if recorder is None else (lambda layer, probs: recorder(layer, probs.to(back)))
         try:
-            step = self.drafter(ids, positions, hidden, cache, hidden_is_aux)
+            step = self.drafter(ids.to(device), positions.to(device), hidden.to(device), cache, hidden_is_aux)
         finally:
             cache.recorder = None
-        return _Step(step.logits, step.fed_back, step.pre_norm, step.normed)
+        here = lambda t: None if t is None else t.to(back)  # noqa: E731
+        return _Step(here(step.logits), here(step.fed_back), here(step.pre_norm), here(step.normed))
 
     @torch.no_grad()
     def into_fc(self, sources: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -383,11 +386,13 @@ def diagnose_speculator(speculator: LoopSpeculator, prompts: list[list[int]], de
                         num_sinks: int = 4, drafter_name: str = "", target_name: str | None = None,
                         thresholds: DriftThresholds = DriftThresholds(),
                         on_prompt: Callable[[int], None] | None = None,
-                        continuations: list[list[int]] | None = None) -> DiagnoseReport:
+                        continuations: list[list[int]] | None = None, progress=None) -> DiagnoseReport:
     """Measure the drafter of `speculator` (a loop over a target and a drafter backend) per depth.
     `continuations`: the target's greedy continuation of each prompt (at least `positions + depth - 1`
-    tokens) when the caller has it; otherwise the target generates it."""
+    tokens) when the caller has it; otherwise the target generates it. `progress`: phase `measure`,
+    prompts done (eagle31_export/progress.py)."""
     _check_settings(prompts, depth, positions, num_sinks)
+    phases = Phases.of(progress)
     if not isinstance(speculator, LoopSpeculator):
         raise UserError(f"diagnose drives the drafter step by step; the {speculator.name} runtime runs whole "
                         "generations: diagnose the checkpoint or its `export onnx` folder instead")
@@ -397,13 +402,15 @@ def diagnose_speculator(speculator: LoopSpeculator, prompts: list[list[int]], de
     sums = _Sums(depth, probe.layers)
     if continuations is not None and any(len(c) < positions + depth - 1 for c in continuations):
         raise ValueError("each continuation needs positions + depth - 1 tokens")
-    for i, prompt in enumerate(prompts):
-        if hasattr(target, "select"):  # a capture: the run reads this prompt's captured sequence
-            target.select(list(prompt))
-        _diagnose_prompt(target, probe, prompt, depth, positions, num_sinks, sums,
-                         None if continuations is None else continuations[i])
-        if on_prompt:
-            on_prompt(i)
+    with phases.phase("measure", total=len(prompts)):
+        for i, prompt in enumerate(prompts):
+            if hasattr(target, "select"):  # a capture: the run reads this prompt's captured sequence
+                target.select(list(prompt))
+            _diagnose_prompt(target, probe, prompt, depth, positions, num_sinks, sums,
+                             None if continuations is None else continuations[i])
+            if on_prompt:
+                on_prompt(i)
+            phases("measure", i + 1, len(prompts))
     report = _report(sums, probe, speculator.name, target, prompts, depth, num_sinks, drafter_name, target_name)
     report.symptoms, report.verdict = verdict(report, thresholds)
     return report
@@ -530,21 +537,25 @@ def is_onnx_export(folder: Path) -> bool:
 def diagnose(drafter: str | os.PathLike, target: str | os.PathLike | None, prompts: list[list[int]] | None = None,
              prompts_file: str | os.PathLike | None = None, depth: int = 6, positions: int = 32, num_sinks: int = 4,
              thresholds: DriftThresholds = DriftThresholds(), progress=None,
-             capture: str | os.PathLike | None = None) -> DiagnoseReport:
+             capture: str | os.PathLike | None = None, device: str = "cpu") -> DiagnoseReport:
     """`diagnose` from folders: `drafter` is a checkpoint (any format; the reference runs it) or an
     `export onnx` folder (ONNX Runtime runs it, with its target graph when it has one, else `target`).
     `capture` (an `eagle31-export capture` folder) replaces the target: its greedy continuations
-    and tapped states are read instead of computed. `progress(total)` returns a per-prompt callback."""
+    and tapped states are read instead of computed. `progress(phase, done, total)` hears of the phases
+    `load` and `measure` (prompts done); pass a `Phases` to get their seconds (eagle31_export/progress.py).
+    `device` (cpu, cuda, auto): where the reference pair computes (an ONNX export runs on CPU)."""
     drafter = Path(drafter)
     if not drafter.is_dir():
         raise UserError(f"{drafter}: no such drafter folder; pass a drafter checkpoint or an `export onnx` folder")
     onnx = is_onnx_export(drafter)
     _check_settings(prompts or [[0]], depth, positions, num_sinks)
+    resolve_device(device, "onnxruntime" if onnx else "reference")  # before anything loads
+    progress = Phases.of(progress)
     if capture is not None:
         if target is not None:
             raise UserError("pass --target or --capture, not both")
         return _diagnose_on_capture(drafter, Path(capture), onnx, prompts, prompts_file, depth, positions,
-                                    num_sinks, thresholds, progress)
+                                    num_sinks, thresholds, progress, device)
     from eagle31_export.formats.prompts import read_prompts
     from eagle31_export.formats.target import read_target_info
     from eagle31_export.parity.sides import bundle_sources, default_prompts
@@ -559,19 +570,20 @@ def diagnose(drafter: str | os.PathLike, target: str | os.PathLike | None, promp
     vocab = read_target_info(target).vocab_size
     if prompts is None:
         prompts = read_prompts(prompts_file, target, vocab) if prompts_file is not None else default_prompts(vocab)
-    options = LoadOptions(dtype=torch.float32)
+    options = LoadOptions(dtype=torch.float32, device=device)
     with tempfile.TemporaryDirectory(prefix="eagle31-diagnose-") as workdir:
-        if onnx:
-            speculator = load_speculator("onnxruntime", PairSource.of(None, target, drafter), options, workdir)
-        else:
-            speculator = load_speculator("reference", PairSource.of(drafter, target), options)
-        on_prompt = progress(len(prompts)) if progress else None
+        with progress.phase("load"):
+            if onnx:
+                speculator = load_speculator("onnxruntime", PairSource.of(None, target, drafter), options, workdir)
+            else:
+                speculator = load_speculator("reference", PairSource.of(drafter, target), options)
         return diagnose_speculator(speculator, prompts, depth, positions, num_sinks, str(drafter), str(target),
-                                   thresholds, on_prompt)
+                                   thresholds, progress=progress)
 
 
 def _diagnose_on_capture(drafter: Path, capture_dir: Path, onnx: bool, prompts, prompts_file, depth: int,
-                         positions: int, num_sinks: int, thresholds: DriftThresholds, progress) -> DiagnoseReport:
+                         positions: int, num_sinks: int, thresholds: DriftThresholds, progress: Phases,
+                         device: str = "cpu") -> DiagnoseReport:
     from eagle31_export.formats.capture import Capture
     from eagle31_export.parity.sides import capture_prompts
 
@@ -588,14 +600,14 @@ def _diagnose_on_capture(drafter: Path, capture_dir: Path, onnx: bool, prompts, 
                             f"{positions} --depth {depth} reads {needed}: re-capture with a larger --max-new-tokens, "
                             "or lower --positions")
         continuations.append(tokens[:needed])
-    options = LoadOptions(dtype=torch.float32)
+    options = LoadOptions(dtype=torch.float32, device=device)
     with tempfile.TemporaryDirectory(prefix="eagle31-diagnose-") as workdir:
         source = (PairSource.of(None, None, drafter, capture=capture_dir) if onnx
                   else PairSource.of(drafter, capture=capture_dir))
-        speculator = load_speculator("onnxruntime" if onnx else "reference", source, options, workdir)
-        on_prompt = progress(len(prompts)) if progress else None
+        with progress.phase("load"):
+            speculator = load_speculator("onnxruntime" if onnx else "reference", source, options, workdir)
         return diagnose_speculator(speculator, prompts, depth, positions, num_sinks, str(drafter), str(capture_dir),
-                                   thresholds, on_prompt, continuations)
+                                   thresholds, continuations=continuations, progress=progress)
 
 
 # --------------------------------------------------------------------------- both sides of a parity run
@@ -614,11 +626,12 @@ def per_depth_sides(reference, runtime, prompts: list[list[int]], depth: int, po
         except UserError:
             pass  # each side then says what stops it
     return {"positions_per_prompt": positions,
-            "reference": _side(reference, prompts, depth, positions, continuations),
-            "runtime": _side(runtime, prompts, depth, positions, continuations)}
+            "reference": per_depth_side(reference, prompts, depth, positions, continuations),
+            "runtime": per_depth_side(runtime, prompts, depth, positions, continuations)}
 
 
-def _side(speculator, prompts, depth: int, positions: int, continuations) -> dict:
+def per_depth_side(speculator, prompts, depth: int, positions: int, continuations) -> dict:
+    """One side's per-depth columns (`per_depth_sides`), or why they are unavailable."""
     if not isinstance(speculator, LoopSpeculator):
         return {"unavailable": f"the {speculator.name} runtime runs whole generations; its per-step states are "
                                "not visible"}

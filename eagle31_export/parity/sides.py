@@ -20,8 +20,9 @@ from eagle31_export.errors import UserError
 from eagle31_export.formats.outputs import MANIFEST, check_artifacts
 from eagle31_export.formats.prompts import read_prompts
 from eagle31_export.formats.target import read_target_info
-from eagle31_export.parity.compare import ParityReport, run_parity
-from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator, runtime_named
+from eagle31_export.parity.compare import MODES, ParityReport, run_parity, run_parity_in_turn
+from eagle31_export.progress import Phases
+from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator, resolve_device, runtime_named
 
 
 def bundle_sources(bundle: Path) -> tuple[Path | None, Path | None]:
@@ -59,12 +60,16 @@ def default_prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list
 def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target: Path | None, url: str | None,
                  prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                  progress=None, mode: str | None = None, capture: Path | None = None,
-                 act_quant: bool = False) -> ParityReport:
+                 act_quant: bool = False, device: str = "cpu") -> ParityReport:
     """The whole parity check: both sides from the registry, the prompts, the comparison.
-    `progress(total)` returns a per-prompt callback (the CLI draws it). With `capture` (instead of
-    `target`) both sides read the target's outputs from it and the prompts are the captured ones.
-    `act_quant`: an NVFP4 target computes W4A4 (its inputs NVFP4-quantized too) on both sides."""
+    `progress(phase, done, total)` hears of each phase (load_reference, load_runtime, compare per
+    prompt, per_depth; eagle31_export/progress.py), whose seconds land in `report.timings`. With
+    `capture` (instead of `target`) both sides read the target's outputs from it and the prompts are
+    the captured ones. `act_quant`: an NVFP4 target computes W4A4 (its inputs NVFP4-quantized too) on
+    both sides. `device` (cpu, cuda, auto): where the reference pair computes, on both sides."""
     runtime_named(runtime)  # an unknown name fails before anything loads
+    resolve_device(device, runtime)  # and so does a device either side cannot use
+    phases = Phases.of(progress)
     if bundle is not None and not bundle.is_dir():
         raise UserError(f"{bundle}: no such bundle folder")
     if bundle is not None:
@@ -74,8 +79,8 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
             raise UserError("--act-quant changes how the target computes; a capture holds what it computed: "
                             "drop --act-quant, or give --target")
         return _parity_on_capture(runtime, bundle, drafter or (bundle_sources(bundle)[0] if bundle else None), capture,
-                                  url, prompts_file, depth, max_new_tokens, temperature, seed, progress, mode,
-                                  target)
+                                  url, prompts_file, depth, max_new_tokens, temperature, seed, phases, mode,
+                                  target, device)
     src_drafter, src_target = bundle_sources(bundle) if bundle else (None, None)
     drafter, target = drafter or src_drafter, target or src_target
     if drafter is None or target is None:
@@ -83,13 +88,9 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
                         "(or a bundle that records where it was exported from)")
     vocab = read_target_info(target).vocab_size
     prompts = read_prompts(prompts_file, target, vocab) if prompts_file else default_prompts(vocab)
-    options = LoadOptions(dtype=torch.float32, act_quant=act_quant)
-    with tempfile.TemporaryDirectory(prefix="eagle31-parity-") as workdir:  # an on-the-fly export lives here
-        reference = load_speculator("reference", PairSource.of(drafter, target), options)
-        other = load_speculator(runtime, PairSource.of(drafter, target, bundle, url), options, workdir)
-        on_prompt = progress(len(prompts)) if progress else None
-        return run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
-                          on_prompt=on_prompt, mode=mode)
+    options = LoadOptions(dtype=torch.float32, act_quant=act_quant, device=device)
+    return _run_sides(runtime, PairSource.of(drafter, target), PairSource.of(drafter, target, bundle, url), options,
+                      prompts, depth, max_new_tokens, temperature, seed, mode, phases)
 
 
 def capture_prompts(capture, prompts_file: Path | None) -> list[list[int]]:
@@ -104,7 +105,7 @@ def capture_prompts(capture, prompts_file: Path | None) -> list[list[int]]:
 
 def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, capture_dir: Path, url: str | None,
                        prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float, seed: int,
-                       progress, mode: str | None, target: Path | None) -> ParityReport:
+                       phases: Phases, mode: str | None, target: Path | None, device: str) -> ParityReport:
     from eagle31_export.formats.capture import Capture
 
     if target is not None:
@@ -117,11 +118,32 @@ def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, 
     capture = Capture.open(capture_dir)
     capture.serves(max_new_tokens, depth)
     prompts = capture_prompts(capture, prompts_file)
-    options = LoadOptions(dtype=torch.float32)
+    options = LoadOptions(dtype=torch.float32, device=device)
+    return _run_sides(runtime, PairSource.of(drafter, capture=capture_dir),
+                      PairSource.of(drafter, None, bundle, url, capture=capture_dir), options, prompts, depth,
+                      max_new_tokens, temperature, seed, mode, phases)
+
+
+def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairSource, options: LoadOptions,
+               prompts: list[list[int]], depth: int, max_new_tokens: int, temperature: float, seed: int,
+               mode: str | None, phases: Phases) -> ParityReport:
+    """Greedy replay (the default) holds one side at a time, so a target that fits the machine once is
+    enough; autoregressive and sampling parity run both sides prompt by prompt."""
+    if mode not in (None, *MODES):
+        raise UserError(f"unknown parity mode {mode!r}; choose one of {', '.join(MODES)}")
     with tempfile.TemporaryDirectory(prefix="eagle31-parity-") as workdir:  # an on-the-fly export lives here
-        reference = load_speculator("reference", PairSource.of(drafter, capture=capture_dir), options)
-        other = load_speculator(runtime, PairSource.of(drafter, None, bundle, url, capture=capture_dir), options,
-                                workdir)
-        on_prompt = progress(len(prompts)) if progress else None
+        def load_runtime():
+            return load_speculator(runtime, runtime_source, options, workdir)
+
+        def load_reference():
+            return load_speculator("reference", reference_source, options)
+
+        if temperature == 0 and mode in (None, "replay"):
+            return run_parity_in_turn(load_runtime, load_reference, prompts, depth, max_new_tokens, seed,
+                                      progress=phases)
+        with phases.phase("load_reference"):
+            reference = load_reference()
+        with phases.phase("load_runtime"):
+            other = load_runtime()
         return run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
-                          on_prompt=on_prompt, mode=mode)
+                          mode=mode, progress=phases)

@@ -45,10 +45,10 @@ class KVCache:
         self.values = [None if v is None else v[:, :, :length] for v in self.values]
 
 
-def causal_mask(q_len: int, past: int, dtype: torch.dtype) -> torch.Tensor:
+def causal_mask(q_len: int, past: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
     """Additive mask [q_len, past + q_len]: query j sees every cached key and new keys <= j."""
-    allowed = torch.ones(q_len, past + q_len, dtype=torch.bool).tril(diagonal=past)
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    allowed = torch.ones(q_len, past + q_len, dtype=torch.bool, device=device).tril(diagonal=past)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
 
 
 def attention_probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -58,7 +58,7 @@ def attention_probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor
 
 
 def _attend(cache: KVCache, layer_id: int, q, k, v, past: int, scale: float) -> torch.Tensor:
-    mask = causal_mask(q.shape[2], past, q.dtype)
+    mask = causal_mask(q.shape[2], past, q.dtype, q.device)
     recorder = getattr(cache, "recorder", None)  # any cache object with keys/values will do
     if recorder is not None:
         recorder(layer_id, attention_probabilities(q, k, mask, scale))

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -24,6 +23,7 @@ from eagle31_export.formats.nvfp4_scheme import detect_scheme
 from eagle31_export.formats.safetensors_io import atomic_output_dir
 from eagle31_export.formats.target import read_target_config, read_target_info
 from eagle31_export.formats.target_tp import launch_world
+from eagle31_export.progress import Phases
 from eagle31_export.reference.target import ReferenceTarget
 
 
@@ -35,6 +35,7 @@ class CaptureOptions:
     dtype: torch.dtype = torch.float32
     shard_bytes: int = DEFAULT_SHARD_BYTES
     force: bool = False
+    device: str = "cpu"  # resolved (cpu or cuda): where a one-process target computes
 
 
 @dataclass
@@ -44,6 +45,7 @@ class CaptureResult:
     world_size: int
     prompts: int
     continuation: int
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase: load_target, capture, write
 
 
 def resolve_aux_layer_ids(target: str | os.PathLike, drafter: str | os.PathLike | None = None,
@@ -105,13 +107,14 @@ def input_embeddings(model) -> torch.Tensor:
 
 def capture(target_path: str | os.PathLike, prompts: list[list[int]], aux_layer_ids: tuple[int, ...],
             out: str | os.PathLike, options: CaptureOptions = CaptureOptions(),
-            progress: Callable[[int, int], None] | None = None,
-            inputs: tuple[str | os.PathLike | None, ...] = ()) -> CaptureResult:
+            progress=None, inputs: tuple[str | os.PathLike | None, ...] = ()) -> CaptureResult:
     """Run the target over `prompts` and write the capture to `out` (rank 0). Call it on every rank
-    of a torchrun launch; `progress(done, total)` is called on rank 0 after each prompt."""
+    of a torchrun launch; `progress(phase, done, total)` hears, on rank 0, of the phases load_target,
+    capture (prompts done) and write (eagle31_export/progress.py); their seconds are in the result."""
     from eagle31_export.formats.outputs import check_output
 
     rank, world = launch_world()
+    phases = Phases.of(progress if rank == 0 else None)
     if not prompts:
         raise UserError("no prompts to capture")
     if options.max_new_tokens < 1 or options.depth < 1:
@@ -128,7 +131,15 @@ def capture(target_path: str | os.PathLike, prompts: list[list[int]], aux_layer_
                                                f"(0..{info.vocab_size - 1})" if p else "empty"))
     inputs = (target_path, *inputs)
     check_output(out, options.force, inputs)  # before the slow part, on every rank
-    target = ReferenceTarget(_load(target_path, options.dtype, world), aux_layer_ids)
+    if options.device not in ("cpu", "cuda"):
+        raise UserError(f"capture device must be cpu or cuda (resolved), not {options.device!r}")
+    if world > 1 and options.device != "cpu":
+        raise UserError("--device applies to a one-process capture; under torchrun the ranks place the target")
+    with phases.phase("load_target"):
+        model = _load(target_path, options.dtype, world)
+        if world == 1:
+            model.to(options.device)
+    target = ReferenceTarget(model, aux_layer_ids)
     length = continuation_length(options.max_new_tokens, options.depth)
     meta = {
         "target": {"path": str(Path(target_path).resolve()), "config": read_target_config(target_path),
@@ -137,25 +148,33 @@ def capture(target_path: str | os.PathLike, prompts: list[list[int]], aux_layer_
         "max_new_tokens": options.max_new_tokens, "depth": options.depth, "continuation": length,
         "top_k": options.top_k, "dtype": DTYPE_NAMES[options.dtype], "world_size": world,
         # what rank 0 held of the weights: all of them in one process, its shards under tensor parallelism
-        "rank0_parameters": sum(p.numel() for p in target.model.parameters()),
+        "rank0_parameters": _logical_parameters(target.model),
     }
     try:
         with (atomic_output_dir(out, force=options.force, inputs=inputs) if rank == 0
               else contextlib.nullcontext(None)) as tmp:
             writer = CaptureWriter(tmp, options.shard_bytes) if tmp is not None else None
-            for i, prompt in enumerate(prompts):
-                record = capture_prompt(target, prompt, length, options.top_k)
+            with phases.phase("capture", total=len(prompts)):
+                for i, prompt in enumerate(prompts):
+                    record = capture_prompt(target, prompt, length, options.top_k)
+                    if writer is not None:
+                        writer.add(record)
+                    phases("capture", i + 1, len(prompts))
+            with phases.phase("write"):
+                embeddings = input_embeddings(target.model)  # a collective where sharded: every rank
                 if writer is not None:
-                    writer.add(record)
-                if progress is not None and rank == 0:
-                    progress(i + 1, len(prompts))
-            embeddings = input_embeddings(target.model)  # a collective where sharded: every rank
-            if writer is not None:
-                writer.finish(meta, embeddings)
+                    writer.finish(meta, embeddings)
         _barrier(world)  # every rank leaves the process group together, after rank 0 wrote
     finally:
         _leave_process_group(world)
-    return CaptureResult(Path(out) if rank == 0 else None, rank, world, len(prompts), length)
+    return CaptureResult(Path(out) if rank == 0 else None, rank, world, len(prompts), length, phases.as_json())
+
+
+def _logical_parameters(model) -> int:
+    """Weights rank 0 holds, counted as dense elements (a packed NVFP4 Linear counts out x in), so a
+    tensor-parallel shard compares with a whole model however each is stored."""
+    packed = [m for m in model.modules() if hasattr(m, "weight_packed")]
+    return sum(p.numel() for p in model.parameters()) + sum(m.out_features * m.in_features for m in packed)
 
 
 def _load(path, dtype: torch.dtype, world: int):
@@ -164,8 +183,10 @@ def _load(path, dtype: torch.dtype, world: int):
 
         return load_causal_lm_tp(path, dtype)
     from eagle31_export.formats.target import load_causal_lm
+    from eagle31_export.reference.upcast import compute_in
 
-    return load_causal_lm(path, dtype=dtype)
+    # weights as stored (bf16 stays bf16, NVFP4 packed), computing in `dtype` per operation
+    return compute_in(load_causal_lm(path, dtype=dtype, stored_weights=True), dtype)
 
 
 def _barrier(world: int) -> None:

@@ -63,13 +63,19 @@ class ReferenceDrafterBackend:
     def length(self) -> int:
         return self.cache.length()
 
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.d2t.device
+
     @torch.no_grad()
     def forward(self, input_ids, positions, hidden, hidden_is_aux):
-        step = self.drafter(input_ids, positions, hidden, self.cache, hidden_is_aux)
-        return step.logits, step.fed_back
+        # computes on the module's device (its cache lives there); results go back to the caller's
+        device, back = self.device, input_ids.device
+        step = self.drafter(input_ids.to(device), positions.to(device), hidden.to(device), self.cache, hidden_is_aux)
+        return step.logits.to(back), step.fed_back.to(back)
 
     def draft_to_target(self, draft_ids):
-        return self.drafter.draft_to_target(draft_ids)
+        return self.drafter.draft_to_target(draft_ids.to(self.device)).to(draft_ids.device)
 
     def truncate(self, length: int) -> None:
         self.cache.crop(length)
@@ -110,6 +116,22 @@ class LoopObserver:
 
     def on_round(self, round: Round) -> None:
         """A round is verified and its tokens committed."""
+
+
+class ProgressObserver(LoopObserver):
+    """Reports the tokens generated so far, of `total`, as phase `phase` to `progress(phase, done,
+    total)` (eagle31_export/progress.py): one report after the prefill and after every round."""
+
+    def __init__(self, progress, total: int, phase: str = "generate"):
+        self.progress, self.total, self.phase, self.done = progress, total, phase, 0
+
+    def on_prefill(self, token: int) -> None:
+        self.done = 1
+        self.progress(self.phase, self.done, self.total)
+
+    def on_round(self, round: Round) -> None:
+        self.done += len(round.committed)
+        self.progress(self.phase, self.done, self.total)
 
 
 @dataclass

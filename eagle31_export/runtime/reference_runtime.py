@@ -23,12 +23,15 @@ class ReferenceSpeculator(LoopSpeculator):
         self.pair = pair
 
 
-def _kernel_provider(name: str):
+def _kernel_provider(name: str, device: str = "cpu"):
     if name == "torch":
         return None  # the drafter's default: reference/ops.py
     if name == "plugins":
-        from eagle31_export.kernels.torch_ops import PluginKernels
+        from eagle31_export.kernels.torch_ops import PluginKernels, device_problem
 
+        problem = device_problem(device)
+        if problem is not None:
+            raise UserError(f"--kernels plugins --device {device}: {problem}")
         return PluginKernels()
     raise UserError(f"unknown --kernels {name!r}; choose torch or plugins")
 
@@ -52,12 +55,28 @@ def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir: Path
     if source.capture is not None:  # the reference drafter over a capture: the target is not loaded
         from eagle31_export.runtime.on_capture import load_reference
 
-        return load_reference(drafter, source.capture, options, _kernel_provider(options.kernels))
+        speculator = load_reference(drafter, source.capture, options, _kernel_provider(options.kernels,
+                                                                                      options.device))
+        return place(speculator, options.device)
     if drafter is None or target is None:
         raise UserError("--runtime reference needs --drafter and --target")
-    pair = load_pair(drafter, target, dtype=options.dtype, act_quant=options.act_quant,
-                     kernels=_kernel_provider(options.kernels))
-    return ReferenceSpeculator(pair, exact=options.dtype in EXACT_DTYPES)
+    kernels = _kernel_provider(options.kernels, options.device)
+    pair = load_pair(drafter, target, dtype=options.dtype, act_quant=options.act_quant, kernels=kernels)
+    return place(ReferenceSpeculator(pair, exact=options.dtype in EXACT_DTYPES), options.device)
+
+
+def place(speculator: LoopSpeculator, device: str) -> LoopSpeculator:
+    """Move the reference target and drafter modules to `device` (resolved: cpu or cuda). The pair is
+    read on the CPU, then moved once; the backends move each call's inputs to their module's device
+    and hand results back on the caller's, so the loop, the sampler and the comparisons stay on CPU.
+    The target first: a drafter sharing its embeddings as the same Parameter then finds them moved."""
+    model = getattr(speculator.target, "model", None)
+    if isinstance(model, torch.nn.Module):
+        model.to(device)
+    module = getattr(speculator.drafter, "drafter", None)
+    if isinstance(module, torch.nn.Module):
+        module.to(device)
+    return speculator
 
 
 def prepare_servable(pair_dir: Path, target: Path) -> None:

@@ -9,7 +9,7 @@ Triton `cpu` repository can serve it, `prepare_servable(pair_dir, target) -> art
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -45,6 +45,30 @@ class LoadOptions:
     kernels: str = "torch"  # reference drafter: plain torch or the plugin kernels
     chain: bool = False  # onnxruntime: draft with the exported chain graph
     threads: int | None = None
+    device: str = "cpu"  # cpu, cuda or auto (resolve_device); where the reference target and drafter compute
+
+
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def resolve_device(name: str | None, runtime: str | None = None) -> str:
+    """`cpu` or `cuda` for `--device NAME` (`auto`: cuda where torch sees a GPU, else cpu); refuses
+    cuda where torch sees none, and on a runtime that computes on CPU only (`Runtime.devices`)."""
+    name = (name or "cpu").lower()
+    if name not in DEVICES:
+        raise UserError(f"unknown --device {name!r}; choose one of {', '.join(DEVICES)}")
+    devices = runtime_named(runtime).devices if runtime is not None else ("cpu", "cuda")
+    available = torch.cuda.is_available()
+    if name == "auto":
+        return "cuda" if available and "cuda" in devices else "cpu"
+    if name == "cuda" and not available:
+        version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+        raise UserError(f"--device cuda: no CUDA device is visible to torch (torch {version}, CUDA build: "
+                        f"{torch.version.cuda or 'no'}); use --device cpu")
+    if name not in devices:
+        raise UserError(f"--device {name}: --runtime {runtime} computes on {' or '.join(devices)} only in this "
+                        f"process; use --device {devices[0]}, or --runtime reference")
+    return name
 
 
 class Speculator:
@@ -78,6 +102,7 @@ class Runtime:
     name: str
     help: str
     module: Callable[[], object]  # imported on use: runtimes pull in heavy libraries
+    devices: tuple[str, ...] = ("cpu", "cuda")  # where it can compute (--device)
 
     def load(self, source: PairSource, options: LoadOptions = LoadOptions(),
              workdir: Path | None = None) -> Speculator:
@@ -114,8 +139,10 @@ def _triton():
 
 RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
     Runtime("reference", "the PyTorch reference over checkpoints", _reference),
-    Runtime("onnxruntime", "the exported ONNX graphs on ONNX Runtime (CPU)", _onnxruntime),
-    Runtime("triton", "a running Triton server (--url HOST:PORT)", _triton),
+    # ONNX Runtime runs here with its CPUExecutionProvider only
+    Runtime("onnxruntime", "the exported ONNX graphs on ONNX Runtime (CPU)", _onnxruntime, ("cpu",)),
+    # the server decides where it computes; this process only sends requests
+    Runtime("triton", "a running Triton server (--url HOST:PORT)", _triton, ("cpu",)),
 )}
 
 DEFAULT_SERVING_RUNTIME = "onnxruntime"  # what the Triton `cpu` repository runs unless told otherwise
@@ -131,5 +158,7 @@ def runtime_named(name: str) -> Runtime:
 def load_speculator(name: str, source: PairSource, options: LoadOptions = LoadOptions(),
                     workdir: str | os.PathLike | None = None) -> Speculator:
     """The speculator for runtime `name` over `source`. `workdir`: where a runtime may write what it
-    derives on the fly (the caller owns and removes it)."""
-    return runtime_named(name).load(source, options, Path(workdir) if workdir is not None else None)
+    derives on the fly (the caller owns and removes it). `options.device` is resolved here, once."""
+    runtime = runtime_named(name)
+    options = replace(options, device=resolve_device(options.device, name))
+    return runtime.load(source, options, Path(workdir) if workdir is not None else None)

@@ -128,3 +128,36 @@ def test_replay_and_autoregressive_parity_agree(tmp_path):
         replayed = reference.replay(prompt, run)
         assert (replayed.tokens, replayed.drafts, replayed.accepted_per_step) == (own.tokens, own.drafts,
                                                                                   own.accepted_per_step)
+
+
+def test_replay_in_turn_holds_one_side_at_a_time(tmp_path):
+    """`parity`'s greedy default releases the runtime before the reference loads (a target that fits once
+    is enough), and reaches the same rows as running both sides side by side, faithful or sabotaged."""
+    import gc
+    import weakref
+
+    from eagle31_export.parity.compare import run_parity, run_parity_in_turn
+
+    prompts = PAIR.held_out_prompts(48)[:3]
+    bundles = {True: export_onnx(EAGLE31, tmp_path / "onnx", MODELS / TARGET),
+               False: _broken_bundle(tmp_path / "broken", "pre_norm")}
+    for passes, bundle in bundles.items():
+        alive = []
+
+        def load_runtime():
+            runtime = load_speculator("onnxruntime", PairSource.of(EAGLE31, MODELS / TARGET, bundle))
+            alive.append(weakref.ref(runtime.drafter))
+            return runtime
+
+        def load_reference():
+            gc.collect()
+            assert alive[0]() is None, "the runtime is still held while the reference loads"
+            return load_speculator("reference", PairSource.of(EAGLE31, MODELS / TARGET))
+
+        in_turn = run_parity_in_turn(load_runtime, load_reference, prompts, 3, 16)
+        together = run_parity(load_reference(), load_runtime(), prompts, 3, 16, mode="replay",
+                              per_depth_positions=0)
+        assert in_turn.passed is together.passed is passes
+        assert [r.__dict__ for r in in_turn.rows] == [r.__dict__ for r in together.rows]
+        assert set(in_turn.per_depth) == {"positions_per_prompt", "reference", "runtime"}
+        assert list(in_turn.timings)[:2] == ["load_runtime", "runtime"]
