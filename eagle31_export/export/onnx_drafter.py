@@ -23,6 +23,7 @@ committed positions after each round, so the n-1 speculative entries never leave
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import onnx
 import torch
@@ -32,10 +33,9 @@ from eagle31_export.config import DrafterConfig
 from eagle31_export.errors import UserError
 from eagle31_export.export import onnx_layers as L
 from eagle31_export.export import onnx_plugins as P
-from eagle31_export.export.onnx_graph import ExternalWeights, GraphBuilder, onnx_elem_type
+from eagle31_export.export.onnx_graph import ExternalWeights, GraphBuilder, TensorSource, onnx_elem_type
 from eagle31_export.kernels.folding import fold_fc_norm_weights
-from eagle31_export.reference.drafter import Eagle3Drafter
-from eagle31_export.reference.rope import cos_sin
+from eagle31_export.reference.rope import attention_factor, cos_sin, inv_frequencies, mla_softmax_scale
 
 INT64 = TensorProto.INT64
 B, T, PAST, PRESENT = "batch", "sequence", "past_sequence", "present_sequence"
@@ -48,16 +48,41 @@ class StepValues:
     presents: list[tuple[str, str]]
 
 
-class DrafterGraphWriter:
-    """Writes drafter graphs from a reference `Eagle3Drafter` (canonical parameter names)."""
+@dataclass(frozen=True)
+class SharedWeight:
+    """A drafter matrix that comes from the target (embeddings, lm_head): how to read it, its
+    checkpoint dtype, and where it is written (`store`/`key`: the target graph's weights file
+    and name, so that both graphs read the same bytes; None: the drafter's own file)."""
 
-    def __init__(self, drafter: Eagle3Drafter, weights: ExternalWeights, dtype: torch.dtype,
-                 max_positions: int | None = None):
-        self.cfg: DrafterConfig = drafter.cfg
-        self.state = {k: v.detach() for k, v in drafter.state_dict().items()}
-        self.inv_freq = drafter.layers[0].self_attn.inv_freq
-        self.rope_scale = drafter.layers[0].self_attn.rope_scale  # yarn's cos/sin factor
-        self.softmax_scale = drafter.layers[0].self_attn.softmax_scale
+    source: TensorSource  # as the target holds it: [out, in] for lm_head (transposed where written)
+    stored: torch.dtype
+    store: ExternalWeights | None = None
+    key: str | None = None
+
+
+class DrafterGraphWriter:
+    """Writes drafter graphs from a checkpoint's canonical tensors.
+
+    `tensors` maps canonical names to tensors as stored (a lazy checkpoint mapping is read one
+    tensor at a time, when the tensor is written); `shared` supplies the matrices a drafter takes
+    from its target. Nothing is converted to the compute dtype before it is written.
+    """
+
+    def __init__(self, cfg: DrafterConfig, tensors: Mapping[str, torch.Tensor], weights: ExternalWeights,
+                 dtype: torch.dtype, max_positions: int | None = None,
+                 shared: Mapping[str, SharedWeight] | None = None, d2t: torch.Tensor | None = None):
+        self.cfg = cfg
+        self.tensors, self.shared = tensors, dict(shared or {})
+        missing = [n for n in ("embed_tokens.weight", "lm_head.weight") if n not in tensors and n not in self.shared]
+        if missing:
+            raise UserError(f"the drafter has no {missing[0]}; export it together with its target (--target)")
+        self.d2t = (d2t if d2t is not None else torch.zeros(cfg.draft_vocab_size)).to(torch.int64)
+        # The reference attention's rope and softmax constants (reference.attention), from the config.
+        rope_dim = cfg.mla.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
+        self.inv_freq = inv_frequencies(rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.rope_scale = attention_factor(cfg.rope_scaling)  # yarn's cos/sin factor
+        self.softmax_scale = (mla_softmax_scale(cfg.mla.qk_head_dim, cfg.rope_scaling) if cfg.attention == "mla"
+                              else cfg.head_dim ** -0.5)
         self.weights, self.dtype, self.elem = weights, dtype, onnx_elem_type(dtype)
         self.max_positions = max_positions or self.cfg.max_position_embeddings
 
@@ -135,15 +160,27 @@ class DrafterGraphWriter:
 
     # ---- weights --------------------------------------------------------------------------
     def _w(self, g: GraphBuilder, name: str) -> str:
-        return g.tensor(name, self.state[name].to(self.dtype))
+        """A vector (norm scale, bias) in the compute dtype: a few KiB, not worth a Cast."""
+        return g.stored(name, lambda: self.tensors[name], self.dtype, stored=self.dtype)[0]
+
+    def _matrix(self, name: str, transposed: bool) -> dict:
+        """`GraphBuilder.weight` arguments for a matrix: from the target when shared, else the checkpoint's."""
+        shared = self.shared.get(name)
+        if shared is None:
+            return {"source": (lambda: self.tensors[name].t()) if transposed else (lambda: self.tensors[name])}
+        source = shared.source
+        return {"source": (lambda: _read(source).t()) if transposed else source, "stored": shared.stored,
+                "store": shared.store, "key": shared.key}
 
     def _linear(self, g: GraphBuilder, x: str, prefix: str) -> str:
         """x @ W.T (+ b); W stored transposed as `<prefix>.weight_t` [in, out]."""
-        w = g.tensor(f"{prefix}.weight_t", self.state[f"{prefix}.weight"].to(self.dtype).t())
         short = prefix.rsplit(".", 1)[-1]
+        with g.scope(short):
+            w = g.weight(f"{prefix}.weight_t", compute=self.dtype, after=x, **self._matrix(f"{prefix}.weight", True))
         y = g.op("MatMul", x, w, name=short)
-        bias = self.state.get(f"{prefix}.bias")
-        return y if bias is None else g.op("Add", y, self._w(g, f"{prefix}.bias"), name=f"{short}_bias")
+        if f"{prefix}.bias" not in self.tensors:
+            return y
+        return g.op("Add", y, self._w(g, f"{prefix}.bias"), name=f"{short}_bias")
 
     def _rope(self, g: GraphBuilder, positions: str) -> tuple[str, str]:
         # Exactly the reference's cos/sin (float64 angles, rounded once to the compute dtype).
@@ -152,7 +189,7 @@ class DrafterGraphWriter:
 
     def _to_target_ids(self, g: GraphBuilder, draft_ids: str) -> str:
         """d2t is an offset table: target_id = d + d2t[d]."""
-        return g.op("Add", draft_ids, g.op("Gather", g.tensor("d2t", self.state["d2t"].to(torch.int64)), draft_ids))
+        return g.op("Add", draft_ids, g.op("Gather", g.tensor("d2t", self.d2t), draft_ids))
 
     def _last_greedy(self, g: GraphBuilder, logits: str) -> tuple[str, str]:
         """Logits of the last position [B, 1, Vd] and its greedy draft as a target id [B, 1]."""
@@ -162,19 +199,24 @@ class DrafterGraphWriter:
     # ---- one step -------------------------------------------------------------------------
     def _fuse_taps(self, g: GraphBuilder, aux: str) -> str:
         """Eagle31FcNorm over the tapped states, with the norm weights folded into the fc weight."""
-        cfg, fc = self.cfg, self.state["fc.weight"]
+        cfg = self.cfg
         if cfg.fc_norm:
-            norms = [self.state[f"fc_norm.{i}.weight"] for i in range(cfg.num_aux_hidden_states)]
-            sources = g.op("Split", aux, g.const([cfg.effective_target_hidden_size] * len(norms)),
-                           outputs=len(norms), axis=-1)
+            norm_names = [f"fc_norm.{i}.weight" for i in range(cfg.num_aux_hidden_states)]
+            sources = g.op("Split", aux, g.const([cfg.effective_target_hidden_size] * len(norm_names)),
+                           outputs=len(norm_names), axis=-1)
             sources = list(sources) if isinstance(sources, tuple) else [sources]
         elif cfg.norm_before_fc:  # one RMSNorm over the whole concatenation: a single source
-            norms, sources = [self.state["input_norm.weight"]], [aux]
+            norm_names, sources = ["input_norm.weight"], [aux]
         else:
-            norms, sources = None, [aux]
-        folded = fold_fc_norm_weights(fc.float(), norms, len(sources)).to(self.dtype)
-        folded = g.tensor("fc.weight_folded", folded)
-        return P.fc_norm(g, sources, folded, cfg.rms_norm_eps, has_norm=norms is not None)
+            norm_names, sources = None, [aux]
+
+        def folded() -> torch.Tensor:
+            # The norm scales multiply into the weight: new values, so it is written in the compute dtype.
+            norms = None if norm_names is None else [self.tensors[n].float() for n in norm_names]
+            return fold_fc_norm_weights(self.tensors["fc.weight"].float(), norms, len(sources))
+
+        folded = g.stored("fc.weight_folded", folded, self.dtype, stored=self.dtype)[0]
+        return P.fc_norm(g, sources, folded, cfg.rms_norm_eps, has_norm=norm_names is not None)
 
     def _step(self, g: GraphBuilder, ids: str, positions: str, hidden: str, hidden_is_aux: bool,
               past: list[tuple[str, str]]) -> StepValues:
@@ -184,7 +226,7 @@ class DrafterGraphWriter:
                 g_state = self._fuse_taps(g, hidden)
         else:
             g_state = hidden
-        x = g.op("Gather", self._w(g, "embed_tokens.weight"), ids)
+        x = g.embedding("embed_tokens.weight", ids=ids, compute=self.dtype, **self._matrix("embed_tokens.weight", False))
         mask = L.causal_mask(g, L.past_len(g, past[0][0]), L.seq_len(g, ids))
         cos, sin = self._rope(g, positions)
         presents = []
@@ -253,3 +295,7 @@ class DrafterGraphWriter:
         out = L.attention(g, g.op("Concat", q_nope, q_pe, axis=-1), k, v, mask, h, h, m.qk_head_dim, m.v_head_dim,
                           self.softmax_scale)
         return self._linear(g, out, f"{p}.o_proj"), (k, v)
+
+
+def _read(source: TensorSource) -> torch.Tensor:
+    return source() if callable(source) else source

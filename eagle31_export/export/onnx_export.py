@@ -4,7 +4,8 @@
       drafter_first.onnx   step 1 of a round (tapped target states in)
       drafter_next.onnx    steps 2..n (fed-back state in)
       drafter_chain.onnx   with chain_depth: the whole greedy chain in one call
-      drafter.onnx.data    the drafter weights, shared by the graphs above (external data)
+      drafter.onnx.data    the drafter weights, shared by the graphs above (external data); embeddings
+                           (and lm_head) the drafter takes from the target are read from target.onnx.data
       drafter_d2t.safetensors  draft -> target vocabulary offsets, for runtimes that sample
       target.onnx, target.onnx.data   with a target
       graphs.json          inputs/outputs of every graph, KV layout, tapped layers, source checkpoints
@@ -29,16 +30,17 @@ import onnx
 import torch
 from safetensors.torch import save_file
 
-from eagle31_export.errors import UserError
+from eagle31_export.errors import CheckpointError, UserError
 from eagle31_export.export import onnx_nvfp4 as Q
 from eagle31_export.export import onnx_plugins as P
-from eagle31_export.export.onnx_drafter import DrafterGraphWriter
+from eagle31_export.export.onnx_drafter import DrafterGraphWriter, SharedWeight
 from eagle31_export.export.onnx_graph import IR_VERSION, OPSET, ExternalWeights, io_description
 from eagle31_export.export.onnx_target import TargetGraphWriter
 from eagle31_export.config import with_max_positions
 from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.outputs import atomic_output_dir, check_output
 from eagle31_export.formats.safetensors_io import write_json
+from eagle31_export.progress import Phases
 
 FORMAT = "eagle31-export/onnx"
 FORMAT_VERSION = 1
@@ -67,34 +69,54 @@ class OnnxExportOptions:
 
 def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_path: str | os.PathLike | None = None,
                 options: OnnxExportOptions = OnnxExportOptions(), force: bool = False,
-                relative_sources: bool = False) -> Path:
-    """Export the drafter (and the target when given) to `out`; returns `out`."""
+                relative_sources: bool = False, progress=None) -> Path:
+    """Export the drafter (and the target when given) to `out`; returns `out`. `progress(phase, done,
+    total)` hears of load_target, export_drafter (graphs written) and export_target; a `Phases`
+    passed as `progress` gets their seconds (eagle31_export/progress.py).
+
+    Memory stays near the checkpoints' bytes: the target model is held as its loader keeps it, the
+    drafter's tensors are read from its checkpoint one at a time, and every tensor is converted
+    and written piece by piece (onnx_graph.ExternalWeights). A drafter that takes its embeddings
+    (or lm_head) from the target reads them from target.onnx.data when the target gets a graph.
+    """
     from eagle31_export.formats.drafter import read_drafter
-    from eagle31_export.reference.drafter import build_drafter
 
     options.validate()
+    phases = Phases.of(progress)
     ckpt = read_drafter(drafter_path)
     check_output(out, force, [drafter_path, target_path])  # before the slow part
-    target_model, aux_ids, nvfp4, no_graph = None, None, {}, None
+    target_model, aux_ids, nvfp4, no_graph, stored = None, None, {}, None, {}
     own_embeddings = "embed_tokens.weight" in ckpt.tensors and "lm_head.weight" in ckpt.tensors
     if target_path is not None:
-        target_model, aux_ids, nvfp4, no_graph = _load_target(ckpt, target_path, own_embeddings)
+        with phases.phase("load_target"):
+            target_model, aux_ids, nvfp4, no_graph = _load_target(ckpt, target_path, own_embeddings)
+        if target_model is not None:
+            stored = _stored_dtypes(target_path, target_model)
     elif not own_embeddings:
         raise UserError(f"{drafter_path}: the drafter takes embed_tokens/lm_head from its target; pass --target")
     else:
         ckpt.config = with_max_positions(ckpt.config, None)  # no target: yarn's context, when it has one
-    # The reference module gathers every weight under its canonical name (embeddings and lm_head
-    # from the target where the drafter has none); fp32 here, rounded once to the export dtype.
-    drafter = build_drafter(ckpt, dtype=torch.float32, target_model=target_model)
+    draft_lm_head = "lm_head.weight" not in ckpt.tensors
+    if draft_lm_head and ckpt.config.draft_vocab_size != ckpt.config.vocab_size:
+        raise CheckpointError("the drafter has no lm_head; it needs the target's, with draft_vocab_size == vocab_size")
 
     sources = {"drafter": _source(drafter_path, out, relative_sources),
                "target": _source(target_path, out, relative_sources)}
     with atomic_output_dir(out, force=force, inputs=[drafter_path, target_path], references=sources) as tmp:
-        writer = DrafterGraphWriter(drafter, ExternalWeights(tmp, "drafter.onnx.data"), options.dtype,
-                                    options.max_positions)
-        graphs = {"first": writer.step_graph(True), "next": writer.step_graph(False)}
-        if options.chain_depth:
-            graphs["chain"] = writer.chain_graph(options.chain_depth)
+        target_writer = None
+        if target_model is not None and no_graph is None:
+            target_writer = TargetGraphWriter(target_model, aux_ids, ExternalWeights(tmp, "target.onnx.data"),
+                                              options.dtype, nvfp4, options.flavor, options.max_positions, stored)
+        shared = {}
+        if target_writer is not None:
+            shared = target_writer.shared_weights(draft_lm_head)
+        elif target_model is not None:  # no target graph: the drafter's file holds them, as stored
+            shared = {"embed_tokens.weight": _shared(target_model, target_model.get_input_embeddings().weight, stored)}
+            if draft_lm_head:
+                shared["lm_head.weight"] = _shared(target_model, target_model.get_output_embeddings().weight, stored)
+        shared = {name: w for name, w in shared.items() if name not in ckpt.tensors}
+        writer = DrafterGraphWriter(ckpt.config, ckpt.tensors, ExternalWeights(tmp, "drafter.onnx.data"),
+                                    options.dtype, options.max_positions, shared=shared, d2t=ckpt.d2t())
         drafter_meta = {
             "eagle_version": ckpt.config.eagle_version,
             "config": ckpt.config.to_dict(),
@@ -104,11 +126,17 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
             "max_positions": writer.max_positions,
             "graphs": {},
         }
-        for role, model in graphs.items():
-            drafter_meta["graphs"][role] = _save(model, tmp / f"drafter_{role}.onnx")
+        # One graph at a time: each is saved and checked before the next is built.
+        roles = {"first": lambda: writer.step_graph(True), "next": lambda: writer.step_graph(False)}
+        if options.chain_depth:
+            roles["chain"] = lambda: writer.chain_graph(options.chain_depth)
+        with phases.phase("export_drafter", total=len(roles)):
+            for n, (role, build) in enumerate(roles.items(), 1):
+                drafter_meta["graphs"][role] = _save(build(), tmp / f"drafter_{role}.onnx")
+                phases("export_drafter", n, len(roles))
         if options.chain_depth:
             drafter_meta["graphs"]["chain"]["depth"] = options.chain_depth
-        save_file({"d2t": drafter.d2t.to(torch.int64).contiguous()}, str(tmp / D2T_FILE))
+        save_file({"d2t": writer.d2t.contiguous()}, str(tmp / D2T_FILE))
         meta = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "opset": OPSET, "ir_version": IR_VERSION,
             "dtype": DTYPE_NAMES[options.dtype], "flavor": options.flavor,
@@ -120,10 +148,38 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
         }
         if no_graph is not None:
             meta["no_target_graph"] = no_graph  # runtimes verify with the reference target (source.target)
-        elif target_model is not None:
-            meta["target"] = _export_target(target_model, aux_ids, nvfp4, options, tmp)
+        elif target_writer is not None:
+            with phases.phase("export_target"):
+                meta["target"] = _export_target(target_writer, aux_ids, nvfp4, options, tmp)
         write_json(tmp / GRAPHS_JSON, meta)
     return Path(out)
+
+
+_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _stored_dtypes(target_path, model) -> dict[str, torch.dtype]:
+    """Each float tensor's dtype in the target checkpoint, under the model's parameter names
+    (a tied lm_head, absent from the files, takes its embedding's). The graphs keep these dtypes
+    for their matrices whatever dtype the loader gives the model."""
+    from eagle31_export.formats.safetensors_io import SafetensorsDir
+
+    headers = SafetensorsDir(target_path).headers
+    stored = {name: _SAFETENSORS_FLOATS[e.dtype] for name, e in headers.items() if e.dtype in _SAFETENSORS_FLOATS}
+    by_storage: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=False).items():
+        by_storage.setdefault(t.data_ptr(), []).append(name)
+    for names in by_storage.values():  # tied parameters share one storage
+        known = [stored[n] for n in names if n in stored]
+        for n in names:
+            if known and n not in stored:
+                stored[n] = known[0]
+    return stored
+
+
+def _shared(model, param: torch.Tensor, stored: dict[str, torch.dtype]) -> SharedWeight:
+    name = next((n for n, p in model.named_parameters(remove_duplicate=False) if p is param), None)
+    return SharedWeight(param.detach(), stored.get(name, param.dtype))
 
 
 def target_graph_problem(target_path: str | os.PathLike) -> str | None:
@@ -156,15 +212,27 @@ def _load_target(ckpt, target_path, own_embeddings: bool):
         if own_embeddings:
             check_target(target_path)  # structure only: the reference target loads it later
             return None, aux_ids, {}, no_graph
-        return load_causal_lm(target_path, dtype=torch.float32), aux_ids, {}, no_graph
-    # NVFP4 targets load dequantized (for norms, embeddings, rope); their packed weights are
-    # read separately and go into the graph as they are.
-    return (load_causal_lm(target_path, dtype=torch.float32), aux_ids, Q.read_nvfp4_weights(target_path), None)
+        return _load_stored(load_causal_lm, target_path), aux_ids, {}, no_graph
+    # NVFP4 Linears go into the graph packed, as stored: taken from the model when it keeps them
+    # packed, else read from the checkpoint (zero-copy views of the files).
+    model = _load_stored(load_causal_lm, target_path)
+    return model, aux_ids, _packed_linears(model) or Q.read_nvfp4_weights(target_path), None
 
 
-def _export_target(model, aux_ids, nvfp4, options: OnnxExportOptions, tmp: Path) -> dict:
-    writer = TargetGraphWriter(model, aux_ids, ExternalWeights(tmp, "target.onnx.data"), options.dtype,
-                               nvfp4, options.flavor, options.max_positions)
+def _load_stored(load_causal_lm, target_path):
+    """The target with its weights as stored (bf16 stays bf16, NVFP4 stays packed): the graphs only
+    read the weights, each converted as it is written."""
+    return load_causal_lm(target_path, dtype=torch.float32, stored_weights=True)
+
+
+def _packed_linears(model) -> dict[str, Q.Nvfp4Weight]:
+    """The NVFP4 Linears a model keeps packed (codes, block scales, global scale, ModelOpt's convention)."""
+    return {name: Q.Nvfp4Weight(m.weight_packed, m.weight_scale, m.weight_scale_2.reshape(()))
+            for name, m in model.named_modules()
+            if all(isinstance(getattr(m, a, None), torch.Tensor) for a in ("weight_packed", "weight_scale", "weight_scale_2"))}
+
+
+def _export_target(writer: TargetGraphWriter, aux_ids, nvfp4, options: OnnxExportOptions, tmp: Path) -> dict:
     entry = _save(writer.graph(), tmp / "target.onnx")
     entry.update({
         "model_type": writer.config.model_type,

@@ -6,7 +6,16 @@ names carry the canonical weight path, e.g. `layers.0.self_attn/q_proj`).
 
 Weights go to ONE external-data file per export, shared by every graph that uses them (the
 drafter's first-step, next-step and chain graphs reference the same offsets), appended as they
-are added so that memory does not grow with model size.
+are added so that memory does not grow with model size: each tensor is converted and written in
+pieces of `CHUNK_BYTES`, and the graphs hold only offsets. A graph may also point into another
+graph's file in the same folder (the drafter reads the target's embeddings from target.onnx.data).
+
+Matrices are stored in their checkpoint dtype when it is narrower than the compute dtype (a bf16
+checkpoint's Linear weights stay bf16) and widened by a Cast node where they are used: bf16 ->
+fp32 is exact, so the graph computes what it computed from weights widened at export time, from
+half the bytes. Each Cast waits for the activation its weight multiplies (`wait_for`), so
+that one widened weight at a time exists. Large tensors start at 64 KiB-aligned offsets, which lets ONNX Runtime map them
+from the file instead of reading them into its own memory.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence, Union
 
 import numpy as np
 import onnx
@@ -42,11 +51,18 @@ def onnx_elem_type(dtype: torch.dtype) -> int:
     return _TORCH_TO_ONNX[dtype][0]
 
 
-def raw_bytes(t: torch.Tensor) -> tuple[int, list[int], bytes]:
-    """(ONNX element type, dims, little-endian raw data) of a CPU tensor."""
-    elem, view = _TORCH_TO_ONNX[t.dtype]
-    data = t.detach().contiguous().cpu().view(view).numpy().tobytes()
-    return elem, list(t.shape), data
+def storage_dtype(stored: torch.dtype, compute: torch.dtype) -> torch.dtype:
+    """The dtype a weight is written in: its checkpoint dtype when that is a narrower float than
+    the compute dtype (widened in the graph, exactly), else the compute dtype (rounded once here,
+    as the graphs always did)."""
+    if (stored.is_floating_point and stored in _TORCH_TO_ONNX and compute.is_floating_point
+            and stored.itemsize < compute.itemsize):
+        return stored
+    return compute
+
+
+# A tensor, or a function that reads it (called only when the tensor is not written yet).
+TensorSource = Union[torch.Tensor, Callable[[], torch.Tensor]]
 
 
 class ExternalWeights:
@@ -57,34 +73,87 @@ class ExternalWeights:
     """
 
     ALIGN = 64
+    # ONNX Runtime's CPU provider maps an external tensor from the file when its offset is a multiple
+    # of the allocation granularity (4 KiB pages; 64 KiB on Windows): onnxruntime's
+    # include/onnxruntime/core/graph/model_saving_options.h, which aligns the same way.
+    PAGE_ALIGN = 1 << 16
+    PAGE_ALIGN_FROM = 1 << 20  # ... which is worth the padding for tensors of 1 MiB and more
+    CHUNK_BYTES = 64 << 20  # a tensor is converted and written this many bytes at a time
 
     def __init__(self, folder: Path, filename: str, inline_below: int = 1024):
         self.folder, self.filename, self.inline_below = Path(folder), filename, inline_below
         self._index: dict[str, tuple[int, list[int], int, int]] = {}
+        self._inline: dict[str, TensorProto] = {}
         self._size = 0
 
     @property
     def path(self) -> Path:
         return self.folder / self.filename
 
-    def add(self, name: str, tensor: torch.Tensor) -> TensorProto:
-        elem, dims, data = raw_bytes(tensor)
-        return self.add_raw(name, elem, dims, data)
+    def stored_elem(self, name: str) -> int | None:
+        """The element type `name` was written with, or None when it was not added yet."""
+        if name in self._index:
+            return self._index[name][0]
+        return self._inline[name].data_type if name in self._inline else None
+
+    def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorProto:
+        """`tensor` (converted to `dtype`) under `name`; written piece by piece along its first
+        dimension, so a transposed or widened view never exists whole in memory."""
+        if name in self._index or name in self._inline:
+            return self.ref(name)
+        dtype = dtype or tensor.dtype
+        elem, view = _TORCH_TO_ONNX[dtype]
+        t = tensor.detach()
+        nbytes = t.numel() * dtype.itemsize
+        if nbytes < self.inline_below:
+            return self._keep_inline(name, elem, list(t.shape), _bytes_of(t.to(dtype), view))
+        offset = self._start(nbytes)
+        rows = t.shape[0] if t.dim() else 1
+        step = max(1, self.CHUNK_BYTES // max(nbytes // max(rows, 1), 1))
+        with open(self.path, "ab") as f:
+            f.write(b"\0" * (offset - self._size))
+            if t.dim() == 0:
+                f.write(_bytes_of(t.to(dtype), view))
+            else:
+                for start in range(0, rows, step):
+                    piece = t[start:start + step].to(dtype).contiguous()
+                    f.write(memoryview(piece.view(view).numpy()).cast("B"))
+                    del piece
+        return self._record(name, elem, list(t.shape), offset, nbytes)
 
     def add_raw(self, name: str, elem: int, dims: Sequence[int], data: bytes) -> TensorProto:
         """A tensor from raw bytes (FLOAT4E2M1: two values per byte, even element low nibble)."""
-        if name in self._index:
-            elem, dims, offset, length = self._index[name]
-            return self._external(name, elem, dims, offset, length)
+        if name in self._index or name in self._inline:
+            return self.ref(name)
         if len(data) < self.inline_below:
-            return helper.make_tensor(name, elem, list(dims), data, raw=True)
-        offset = -(-self._size // self.ALIGN) * self.ALIGN
+            return self._keep_inline(name, elem, list(dims), data)
+        offset = self._start(len(data))
         with open(self.path, "ab") as f:
             f.write(b"\0" * (offset - self._size))
             f.write(data)
-        self._size = offset + len(data)
-        self._index[name] = (elem, list(dims), offset, len(data))
-        return self._external(name, elem, dims, offset, len(data))
+        return self._record(name, elem, list(dims), offset, len(data))
+
+    def _start(self, nbytes: int) -> int:
+        align = self.PAGE_ALIGN if nbytes >= self.PAGE_ALIGN_FROM else self.ALIGN
+        return -(-self._size // align) * align
+
+    def _record(self, name: str, elem: int, dims: list[int], offset: int, length: int) -> TensorProto:
+        self._size = offset + length
+        self._index[name] = (elem, dims, offset, length)
+        return self._external(name, elem, dims, offset, length)
+
+    def _keep_inline(self, name: str, elem: int, dims: list[int], data: bytes) -> TensorProto:
+        self._inline[name] = helper.make_tensor(name, elem, dims, data, raw=True)
+        return self.ref(name)
+
+    def ref(self, name: str) -> TensorProto:
+        """The TensorProto of a tensor already added."""
+        if name in self._inline:
+            t = TensorProto()
+            t.CopyFrom(self._inline[name])
+            return t
+        elem, dims, offset, length = self._index[name]
+        return self._external(name, elem, dims, offset, length)
 
     def _external(self, name: str, elem: int, dims: Sequence[int], offset: int, length: int) -> TensorProto:
         t = TensorProto(name=name, data_type=elem, dims=list(dims))
@@ -93,6 +162,10 @@ class ExternalWeights:
             entry = t.external_data.add()
             entry.key, entry.value = key, value
         return t
+
+
+def _bytes_of(t: torch.Tensor, view: torch.dtype) -> bytes:
+    return t.contiguous().cpu().view(view).numpy().tobytes()
 
 
 class GraphBuilder:
@@ -159,6 +232,54 @@ class GraphBuilder:
         if name not in self.initializers:
             self.initializers[name] = self.weights.add(name, t)
         return name
+
+    def stored(self, name: str, source: TensorSource, compute: torch.dtype, stored: torch.dtype | None = None,
+               store: ExternalWeights | None = None, key: str | None = None) -> tuple[str, bool]:
+        """(initializer `name`, whether it needs a Cast to `compute`) for a matrix written in
+        `storage_dtype(stored, compute)`; `stored` defaults to the tensor's own dtype.
+
+        `store`/`key`: write it to (or find it in) another graph's weights file under `key`, so
+        that two graphs of one export share the bytes. `source` may be a function: it is called
+        only when the tensor is not in the file yet."""
+        store, key = store or self.weights, key or name
+        if name not in self.initializers:
+            if store.stored_elem(key) is None:
+                t = source() if callable(source) else source
+                store.add(key, t, storage_dtype(stored or t.dtype, compute))
+            proto = store.ref(key)
+            proto.name = name
+            self.initializers[name] = proto
+        return name, self.initializers[name].data_type != onnx_elem_type(compute)
+
+    def weight(self, name: str, source: TensorSource, compute: torch.dtype, after: str | None = None,
+               **where) -> str:
+        """A matrix in the compute dtype: the initializer, widened by a Cast of its own when it is
+        stored narrower (one Cast per use, so that the wide copy lives only until its consumer).
+        `after`: the activation the weight is applied to; the Cast waits for it (`wait_for`)."""
+        init, cast = self.stored(name, source, compute, **where)
+        if not cast:
+            return init
+        return self.op("Cast", init if after is None else self.wait_for(init, after), to=onnx_elem_type(compute),
+                       name="widen")
+
+    def wait_for(self, init: str, value: str) -> str:
+        """Initializer `init` unchanged (a Reshape to its own dims, which ONNX Runtime aliases), but
+        only once `value` is computed. A node whose inputs are all initializers may run at any time,
+        and ONNX Runtime runs them first: every layer's widened (or dequantized) weight would be
+        alive at once, a dense copy of the whole model. Depending on the activation, each one is
+        made just before its MatMul and freed after it."""
+        dims = list(self.initializers[init].dims)
+        with self.scope("wait"):
+            zero = self.op("Mul", self.op("Shape", value, start=0, end=1), self.const([0]))  # [0], known at run time
+            shape = self.op("Add", self.const(dims), zero)
+            return self.op("Reshape", init, shape)
+
+    def embedding(self, name: str, source: TensorSource, ids: str, compute: torch.dtype, **where) -> str:
+        """Rows of an embedding table for `ids`, in the compute dtype: gathered from the stored
+        table, then widened (only the gathered rows, not the table)."""
+        init, cast = self.stored(name, source, compute, **where)
+        rows = self.op("Gather", init, ids)
+        return self.op("Cast", rows, to=onnx_elem_type(compute), name="widen") if cast else rows
 
     def tensor_raw(self, name: str, elem: int, dims: Sequence[int], data: bytes) -> str:
         if name not in self.initializers:

@@ -6,7 +6,9 @@
   ONNX Runtime's CPU provider has no FLOAT4E2M1 kernels; `onnx.reference` runs it.
 - `onnxruntime`: the packed uint8 weight [out, in/2] and the fp8 scales stay as they are in the
   checkpoint; a model-local function `Nvfp4Dequantize` of standard ops (nibble unpack, E2M1 table
-  lookup, block scale) produces the same fp32 weight. ONNX Runtime folds it at session start.
+  lookup, block scale) produces the same fp32 weight, just before its MatMul and for that MatMul
+  only (`GraphBuilder.wait_for`; sessions do not constant-fold it): the packed bytes stay the
+  only copy held.
 
 Both compute W[r, 16b+j] = e2m1(nibble) * (float(scale[r, b]) * weight_scale_2), in that order (the
 DequantizeLinear order), so the two flavours give bit-identical weights.
@@ -62,8 +64,10 @@ def read_nvfp4_weights(folder: str | os.PathLike) -> dict[str, Nvfp4Weight]:
     return {q.name: Nvfp4Weight(q.packed, q.weight_scale, q.weight_scale_2) for q in ckpt.iter_linears()}
 
 
-def dequantized_weight(g: GraphBuilder, module: str, w: Nvfp4Weight, flavor: str) -> str:
-    """Nodes producing the fp32 weight [out, in] of one NVFP4 Linear."""
+def dequantized_weight(g: GraphBuilder, module: str, w: Nvfp4Weight, flavor: str, after: str | None = None) -> str:
+    """Nodes producing the fp32 weight [out, in] of one NVFP4 Linear; with `after` (the activation it
+    multiplies) the `onnxruntime` flavour dequantizes only once that is computed (`GraphBuilder.wait_for`),
+    so that one dense weight at a time exists."""
     out_f, in_f = w.shape
     scale = g.tensor(f"{module}.weight_scale", w.scale)
     scale_2 = g.tensor(f"{module}.weight_scale_2", w.scale_2.reshape(()))
@@ -73,7 +77,9 @@ def dequantized_weight(g: GraphBuilder, module: str, w: Nvfp4Weight, flavor: str
         block_scale = g.op("DequantizeLinear", scale, scale_2)
         return g.op("DequantizeLinear", fp4, block_scale, axis=-1, block_size=BLOCK)
     if flavor == "onnxruntime":
-        return g.op(DEQUANTIZE, g.tensor(f"{module}.weight", w.packed), scale, scale_2, domain=OPS_DOMAIN)
+        packed = g.tensor(f"{module}.weight", w.packed)
+        return g.op(DEQUANTIZE, packed if after is None else g.wait_for(packed, after), scale, scale_2,
+                    domain=OPS_DOMAIN)
     raise UserError(f"unknown --flavor {flavor!r}; choose one of {', '.join(FLAVORS)}")
 
 

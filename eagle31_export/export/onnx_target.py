@@ -12,6 +12,8 @@ grouped-query attention with fp32 softmax, gated MLP. NVFP4 Linears use `onnx_nv
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import onnx
 import torch
 from onnx import TensorProto
@@ -20,6 +22,7 @@ from torch import nn
 from eagle31_export.errors import UserError
 from eagle31_export.export import onnx_layers as L
 from eagle31_export.export import onnx_nvfp4 as Q
+from eagle31_export.export.onnx_drafter import SharedWeight
 from eagle31_export.export.onnx_graph import ExternalWeights, GraphBuilder, onnx_elem_type
 from eagle31_export.reference.target import decoder_layers
 
@@ -49,7 +52,9 @@ def check_target_config(config: dict) -> None:
 class TargetGraphWriter:
     def __init__(self, model: nn.Module, aux_layer_ids: tuple[int, ...], weights: ExternalWeights,
                  dtype: torch.dtype, nvfp4: dict[str, Q.Nvfp4Weight] | None = None, flavor: str = "onnxruntime",
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, stored: Mapping[str, torch.dtype] | None = None):
+        """`stored`: each weight's dtype in the checkpoint (default: as the model holds it), which
+        the graph keeps for its matrices (see onnx_graph.storage_dtype)."""
         self.config = model.config.get_text_config()
         family = getattr(self.config, "model_type", "?")
         if family not in FAMILIES:
@@ -63,11 +68,14 @@ class TargetGraphWriter:
         bad = [i for i in self.aux_layer_ids if not 0 <= i < len(self.layers)]
         if bad:
             raise UserError(f"tapped layer ids {bad} out of range for a target with {len(self.layers)} layers")
+        # Views of the model's parameters (no copy): each is converted as it is written.
         self.state = {k: v.detach() for k, v in model.state_dict().items()}
+        self.stored_dtypes = dict(stored or {})
         self.prefix = _layers_prefix(self.state, len(self.layers))
         self.weights, self.dtype, self.elem = weights, dtype, onnx_elem_type(dtype)
         self.nvfp4, self.flavor = dict(nvfp4 or {}), flavor
-        unknown = [m for m in self.nvfp4 if f"{m}.weight" not in self.state]
+        modules = {name for name, _ in model.named_modules()}
+        unknown = [m for m in self.nvfp4 if m not in modules]
         if unknown:
             raise UserError(f"NVFP4 modules {unknown[:3]} are not Linear layers of the loaded target")
         self.max_positions = max_positions or int(self.config.max_position_embeddings)
@@ -82,7 +90,7 @@ class TargetGraphWriter:
         past = [(g.input(f"past_key_{i}", self.elem, [B, self.kv_heads, PAST, self.head_dim]),
                  g.input(f"past_value_{i}", self.elem, [B, self.kv_heads, PAST, self.head_dim]))
                 for i in range(len(self.layers))]
-        x = g.op("Gather", self._w(g, self._embed_name()), ids)
+        x = g.embedding(self._embed_name(), ids=ids, compute=self.dtype, **self._matrix(self._embed_name(), False))
         mask = L.causal_mask(g, L.past_len(g, past[0][0]), L.seq_len(g, ids))
         cos, sin = self._rope(g, positions)
         taps, presents = {}, []
@@ -119,16 +127,43 @@ class TargetGraphWriter:
     def _embed_name(self) -> str:
         return f"{self._base()}.embed_tokens.weight"
 
+    def shared_weights(self, draft_lm_head: bool) -> dict[str, SharedWeight]:
+        """What a drafter without its own embeddings (and, with `draft_lm_head`, lm_head) reads
+        from this graph's weights file: the same tensors, under the names this graph gives them."""
+        embed = self._embed_name()
+        out = {"embed_tokens.weight": SharedWeight(self.state[embed], self._stored(embed), self.weights, embed)}
+        if draft_lm_head:
+            if "lm_head" in self.nvfp4:  # packed here: the drafter keeps a dense copy of its own
+                out["lm_head.weight"] = SharedWeight(lambda: self._dense("lm_head"), self.dtype)
+            else:
+                out["lm_head.weight"] = SharedWeight(self.state["lm_head.weight"], self._stored("lm_head.weight"),
+                                                     self.weights, "lm_head.weight_t")
+        return out
+
+    def _dense(self, module: str) -> torch.Tensor:
+        """The dense weight of a Linear, also of one the model keeps packed."""
+        m = self.model.get_submodule(module)
+        return m.dense_weight(self.dtype) if hasattr(m, "dense_weight") else self.state[f"{module}.weight"]
+
+    def _stored(self, name: str) -> torch.dtype:
+        return self.stored_dtypes.get(name, self.state[name].dtype)
+
+    def _matrix(self, name: str, transposed: bool) -> dict:
+        return {"source": (lambda: self.state[name].t()) if transposed else self.state[name],
+                "stored": self._stored(name)}
+
     def _w(self, g: GraphBuilder, name: str) -> str:
-        return g.tensor(name, self.state[name].to(self.dtype))
+        """A vector (norm scale, bias) in the compute dtype: a few KiB, not worth a Cast."""
+        return g.stored(name, self.state[name], self.dtype, stored=self.dtype)[0]
 
     def _linear(self, g: GraphBuilder, x: str, module: str) -> str:
         if module in self.nvfp4:
             with g.scope(module.rsplit(".", 1)[-1]):
-                w = Q.dequantized_weight(g, module, self.nvfp4[module], self.flavor)
+                w = Q.dequantized_weight(g, module, self.nvfp4[module], self.flavor, after=x)
                 w_t = g.op("CastLike", g.op("Transpose", w, perm=[1, 0]), x)
         else:
-            w_t = g.tensor(f"{module}.weight_t", self.state[f"{module}.weight"].to(self.dtype).t())
+            with g.scope(module.rsplit(".", 1)[-1]):
+                w_t = g.weight(f"{module}.weight_t", compute=self.dtype, after=x, **self._matrix(f"{module}.weight", True))
         short = module.rsplit(".", 1)[-1]
         y = g.op("MatMul", x, w_t, name=short)
         return y if f"{module}.bias" not in self.state else \
