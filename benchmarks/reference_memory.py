@@ -20,7 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,22 +64,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_pair(args, work: Path) -> tuple[Path, Path]:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from factories import drafter_config_for, make_target, random_drafter
-    from eagle31_export.formats.drafter import write_drafter
-    from eagle31_export.formats.target import read_target_info
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from mid_pair import make_mid_pair
 
-    target, drafter = work / "target", work / "drafter"
-    if not (target / "config.json").is_file():
-        make_target(target, "llama", seed=0, dtype=torch.bfloat16, num_layers=args.layers, hidden=args.hidden,
-                    vocab=args.vocab, heads=16, kv_heads=4, intermediate=args.intermediate)
-    if not (drafter / "config.json").is_file():
-        cfg = drafter_config_for(read_target_info(target), fc_norm=True, norm_output=True,
-                                 draft_vocab_size=args.vocab // 2, torch_dtype="bfloat16")
-        ckpt = random_drafter(cfg, seed=1)  # no embed_tokens: the target's are used
-        ckpt.tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in ckpt.tensors.items()}
-        write_drafter(ckpt, drafter, "specforge")
-    return target, drafter
+    return make_mid_pair(work, args.hidden, args.layers, args.intermediate, args.vocab)
 
 
 def folder_bytes(folder: Path) -> int:
