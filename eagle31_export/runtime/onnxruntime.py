@@ -65,9 +65,10 @@ class OnnxExport:
         # Memory stays near the weights' bytes: matrices are stored narrow (bf16) and widened by a
         # Cast just before their MatMul, and NVFP4 weights are packed; constant folding would replace
         # each by a dense fp32 copy made at session start. Pre-packing would keep a second, packed
-        # copy of every fp32 MatMul weight. (The arena stays: with one widened weight alive at a
-        # time it grows to the largest one, and turning it off measured no smaller.)
+        # copy of every fp32 MatMul weight. No arena: each session's arena would keep its largest
+        # widened weight (the target's lm_head: 2 GB at 8B widths) for good, once per session.
         opts.add_session_config_entry("session.disable_prepacking", "1")
+        opts.enable_cpu_mem_arena = False
         try:
             return ort.InferenceSession(str(self.folder / file), opts, providers=["CPUExecutionProvider"],
                                         disabled_optimizers=["ConstantFolding"])
