@@ -395,12 +395,19 @@ def test_serve_refuses_a_port_in_use(monkeypatch, capsys, repos):
         f"error: port {port} on 127.0.0.1 is in use; pick a free one with --port N or stop whatever is listening there"]
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    # A job started in the background of a non-interactive shell inherits SIGINT ignored (POSIX), and
+    # Python then keeps ignoring it; `serve` run from a terminal has it at the default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_serve_stops_cleanly_on_ctrl_c(tmp_path, repos):
     """`serve` on the light trtllm-flavour repository: ready, then SIGINT -> exit 0, server gone."""
     port, grpc = free_ports(2)
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "eagle31_export.cli.main", "serve", str(repos["trtllm"]),
-                             "--port", str(port), "--grpc-port", str(grpc)], stdout=log, stderr=log)
+                             "--port", str(port), "--grpc-port", str(grpc)], stdout=log, stderr=log,
+                            preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and proc.poll() is None:
