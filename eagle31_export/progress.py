@@ -50,10 +50,6 @@ class Phases:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
         self(name, total if total is not None else 1, total if total is not None else 1)
 
-    def counter(self, name: str, total: Optional[int]):
-        """A per-unit callback for code that reports `step(done)` (e.g. after each prompt)."""
-        return lambda done, *_: self(name, int(done), total)
-
     def as_json(self) -> dict[str, float]:
         """The timings for a JSON report: seconds as measured (not rounded up past the wall time)."""
         return dict(self.timings)

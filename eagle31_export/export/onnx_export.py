@@ -155,17 +155,14 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
     return Path(out)
 
 
-_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
 def _stored_dtypes(target_path, model) -> dict[str, torch.dtype]:
     """Each float tensor's dtype in the target checkpoint, under the model's parameter names
     (a tied lm_head, absent from the files, takes its embedding's). The graphs keep these dtypes
     for their matrices whatever dtype the loader gives the model."""
-    from eagle31_export.formats.safetensors_io import SafetensorsDir
+    from eagle31_export.formats.safetensors_io import FLOAT_TORCH_DTYPES, SafetensorsDir
 
     headers = SafetensorsDir(target_path).headers
-    stored = {name: _SAFETENSORS_FLOATS[e.dtype] for name, e in headers.items() if e.dtype in _SAFETENSORS_FLOATS}
+    stored = {name: FLOAT_TORCH_DTYPES[e.dtype] for name, e in headers.items() if e.dtype in FLOAT_TORCH_DTYPES}
     by_storage: dict[int, list[str]] = {}
     for name, t in model.state_dict(keep_vars=False).items():
         by_storage.setdefault(t.data_ptr(), []).append(name)

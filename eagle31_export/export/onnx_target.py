@@ -42,13 +42,6 @@ def graph_problem(config: dict) -> str | None:
     return None
 
 
-def check_target_config(config: dict) -> None:
-    """Refuse, from config.json alone, a target this graph writer does not model."""
-    problem = graph_problem(config)
-    if problem is not None:
-        raise UserError(problem)
-
-
 class TargetGraphWriter:
     def __init__(self, model: nn.Module, aux_layer_ids: tuple[int, ...], weights: ExternalWeights,
                  dtype: torch.dtype, nvfp4: dict[str, Q.Nvfp4Weight] | None = None, flavor: str = "onnxruntime",
