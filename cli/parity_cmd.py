@@ -8,7 +8,18 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from eagle31_export.cli.common import SEED_MAX, DeviceOpt, finite_number, print_json
+from eagle31_export.cli.common import (
+    SEED_MAX,
+    DeviceOpt,
+    EngineTimeoutOpt,
+    PortOpt,
+    RuntimeUrlOpt,
+    VllmOpt,
+    finite_number,
+    parse_dtype,
+    print_json,
+    vllm_options,
+)
 from eagle31_export.cli.progress import ProgressDisplay
 from eagle31_export.cli.speculate_cmd import RUNTIME_HELP
 from eagle31_export.runtime.registry import DEFAULT_SERVING_RUNTIME
@@ -25,7 +36,7 @@ def parity(
     capture: Optional[Path] = typer.Option(None, "--capture", help="Instead of --target: a folder written by "
                                                                    "`eagle31-export capture` (greedy only; its prompts)."),
     runtime: str = typer.Option(DEFAULT_SERVING_RUNTIME, "--runtime", help=RUNTIME_HELP),
-    url: Optional[str] = typer.Option(None, "--url", help="Triton server HTTP HOST:PORT for --runtime triton."),
+    url: RuntimeUrlOpt = None,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL: {\"prompt_ids\": [...]} or {\"text\": ...}."),
     depth: int = typer.Option(3, "--depth", min=1),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
@@ -39,6 +50,11 @@ def parity(
     force: bool = typer.Option(False, "--force", help="Replace an earlier report at --out."),
     as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
     device: DeviceOpt = "cpu",
+    runtime_dtype: str = typer.Option("fp32", "--runtime-dtype", help="What the runtime computes in: fp32 (exact "
+                                      "comparison) or bf16 (statistical); vllm: the engine's --dtype."),
+    vllm: VllmOpt = None,
+    port: PortOpt = None,
+    engine_timeout: EngineTimeoutOpt = 600.0,
 ) -> None:
     """Run reference and runtime on the same prompts; compare tokens, drafts, acceptance."""
     from eagle31_export.parity.report import markdown, write_report
@@ -52,7 +68,9 @@ def parity(
     with ProgressDisplay(f"parity vs {runtime}") as display:
         phases = display.phases()
         report = check_parity(runtime, bundle, drafter, target, url, prompts, depth, max_new_tokens, temperature, seed,
-                              phases, mode, capture=capture, act_quant=act_quant, device=device)
+                              phases, mode, capture=capture, act_quant=act_quant, device=device,
+                              runtime_options={"dtype": parse_dtype(runtime_dtype),
+                                               **vllm_options(vllm, port, engine_timeout)})
         if out is not None:
             with phases.phase("write"):  # report.json holds the timings up to here; stdout's also this one
                 write_report(report, out, force=force, inputs=inputs)

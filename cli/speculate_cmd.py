@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 
-from eagle31_export.cli.common import SEED_MAX, DeviceOpt, finite_number, parse_dtype, print_json
+from eagle31_export.cli.common import (
+    SEED_MAX,
+    DeviceOpt,
+    EngineTimeoutOpt,
+    PortOpt,
+    RuntimeUrlOpt,
+    VllmOpt,
+    finite_number,
+    parse_dtype,
+    print_json,
+    vllm_options,
+)
 from eagle31_export.cli.progress import ProgressDisplay
 from eagle31_export.errors import UserError
 from eagle31_export.reference.speculate import check_prompt_ids
@@ -50,13 +62,18 @@ def speculate(
     act_quant: bool = typer.Option(False, "--act-quant/--no-act-quant", help="NVFP4 targets: emulate W4A4."),
     as_json: bool = typer.Option(False, "--json"),
     runtime: str = typer.Option("reference", "--runtime", help=RUNTIME_HELP),
-    url: Optional[str] = typer.Option(None, "--url", help="Triton server HTTP HOST:PORT for --runtime triton."),
+    url: RuntimeUrlOpt = None,
     onnx_dir: Optional[Path] = typer.Option(None, "--onnx", help="Folder written by `export onnx` (--runtime onnxruntime)."),
+    bundle: Optional[Path] = typer.Option(None, "--bundle", help="Folder written by `export vllm` (--runtime vllm; "
+                                                                 "default: exported on the fly from --drafter/--target)."),
     chain: bool = typer.Option(False, "--chain/--no-chain", help="onnxruntime: draft with the exported chain graph "
                                                                  "(one call per round; temperature 0 only)."),
     kernels: str = typer.Option("torch", "--kernels", help="reference runtime: the fused ops as plain torch (torch) "
                                                            "or through the plugin kernels (plugins, built on demand)."),
     device: DeviceOpt = "cpu",
+    vllm: VllmOpt = None,
+    port: PortOpt = None,
+    engine_timeout: EngineTimeoutOpt = 600.0,
 ) -> None:
     """Chain speculative decoding (PyTorch reference or exported ONNX graphs); prints tokens and acceptance statistics."""
     from eagle31_export.formats.tokenizer import load_tokenizer
@@ -80,12 +97,17 @@ def speculate(
         check_prompt_ids(ids, read_target_info(target).vocab_size, "--prompt-ids")
     if capture is not None and target is not None:
         raise UserError("pass --target or --capture, not both")
+    if onnx_dir is not None and bundle is not None:
+        raise UserError("pass --onnx (onnxruntime) or --bundle (vllm), not both")
     options = LoadOptions(dtype=parse_dtype(dtype), act_quant=act_quant, kernels=kernels, chain=chain,
-                          device=resolve_device(device, runtime))
-    with ProgressDisplay("speculate") as display:
+                          device=resolve_device(device, runtime), depth=depth,
+                          **vllm_options(vllm, port, engine_timeout))
+    with ProgressDisplay("speculate") as display, contextlib.ExitStack() as stack:
         phases = display.phases()
         with phases.phase("load"):
-            speculator = load_speculator(runtime, PairSource.of(drafter, target, onnx_dir, url, capture), options)
+            speculator = load_speculator(runtime, PairSource.of(drafter, target, onnx_dir or bundle, url, capture),
+                                         options)
+        stack.callback(speculator.close)  # a server the runtime started stops whatever happens
         chain_depth = getattr(getattr(speculator, "drafter", None), "chain_depth", None)
         if chain and chain_depth is not None and depth > chain_depth:
             raise UserError(f"the chain graph drafts {chain_depth} tokens per round; run with --depth <= "

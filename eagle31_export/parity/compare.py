@@ -51,6 +51,10 @@ class PromptRow:
     rounds_runtime: int
     target_forwards_reference: int = 0  # replay: 1; autoregressive: the prefill and one per round
     symptom: str | None = None
+    # rounds whose draft at position i+1 was accepted (the counters vLLM keeps)
+    accepted_per_position_reference: list[int] = field(default_factory=list)
+    accepted_per_position_runtime: list[int] = field(default_factory=list)
+    drafts_reported: bool = True  # False: the runtime returns no drafts (vLLM); drafts_identical is not a finding
 
 
 @dataclass
@@ -61,6 +65,8 @@ class ParityReport:
     exact: bool
     thresholds: Thresholds
     mode: str = "autoregressive"
+    # what the runtime lets us see: drafts (our runtimes) or tokens and acceptance counts only (vLLM)
+    drafts_reported: bool = True
     rows: list[PromptRow] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     # per draft depth, both sides: teacher-forced agreement/acceptance and fed-back state RMS (parity/diagnose.py)
@@ -72,6 +78,18 @@ class ParityReport:
     def passed(self) -> bool:
         return not self.failures
 
+    @property
+    def compared(self) -> str:
+        """What the comparison covers, in words (the report says it)."""
+        if self.temperature != 0:
+            return (f"per-position acceptance rates within {self.thresholds.sampling_z:g} sigma "
+                    "(sampling: statistical)")
+        seen = "tokens, rounds, accepted per round" + (", drafts" if self.drafts_reported else
+                                                      " and per position (the runtime reports no drafts)")
+        if self.exact:
+            return f"{seen}: identical (fp32, exact)"
+        return f"tokens identical; mean tau within {self.thresholds.tau_rel_tol:.0%} (half precision: statistical)"
+
     def tau(self, side: str) -> float:
         values = [getattr(r, f"tau_{side}") for r in self.rows]
         return sum(values) / max(len(values), 1)
@@ -79,17 +97,45 @@ class ParityReport:
     def to_json(self) -> dict:
         return {"passed": self.passed, "runtime": self.runtime, "mode": self.mode, "depth": self.depth,
                 "temperature": self.temperature, "exact_comparison": self.exact,
+                "compared": self.compared,
                 "thresholds": asdict(self.thresholds), "tau_reference": self.tau("reference"),
                 "tau_runtime": self.tau("runtime"), "failures": self.failures,
                 "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth, "timings": self.timings}
 
 
+def accepted_per_position(result: SpecResult) -> list[int]:
+    """Rounds whose draft at position i+1 was accepted (a chain accepts a prefix of its drafts)."""
+    return [sum(a > i for a in result.accepted_per_step) for i in range(result.depth)]
+
+
+POSITION_1 = ("what the first draft step reads differs: tapped layers, fc or fc_norm (check aux layer numbering "
+              "and fc_norm), or the draft-to-target vocabulary map (d2t)")
+LATER_POSITIONS = "later drafts differ: fed-back state (pre- vs post-norm feedback, norm_output)"
+
+
+def _position_symptom(ref: SpecResult, run: SpecResult) -> str | None:
+    """For a runtime that reports counts, not drafts: the first draft position whose accepted count
+    differs names the cause."""
+    ref_counts, run_counts = accepted_per_position(ref), accepted_per_position(run)
+    first = next((i for i, (a, b) in enumerate(zip(ref_counts, run_counts)) if a != b), None)
+    if first is None:
+        return None
+    where = f"draft position {first + 1} accepted in {run_counts[first]} rounds vs {ref_counts[first]}"
+    if first == 0:
+        return f"{where}: {POSITION_1}"
+    return f"{where}, position 1 agrees: {LATER_POSITIONS}"
+
+
 def _symptom(ref: SpecResult, run: SpecResult, round_index: int | None, logits_diff: float | None,
-             logits_atol: float) -> str | None:
+             logits_atol: float, drafts_reported: bool = True) -> str | None:
     """Name what diverged first; each pattern has a usual cause (docs/tapped-layers.md, docs/eagle31.md,
     docs/nvfp4.md)."""
     if ref.tokens[:1] != run.tokens[:1]:
         return "the target's own first token differs: target weights or NVFP4 scales"
+    if not drafts_reported:
+        found = _position_symptom(ref, run)
+        if found is not None:
+            return found
     if logits_diff is not None and logits_diff > logits_atol:
         return (f"first-step draft logits differ (max {logits_diff:.3g}): tapped layers, fc or fc_norm weights "
                 "(check aux layer numbering and fc_norm)")
@@ -120,15 +166,23 @@ def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | Non
 
 
 def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResult, logits_diff: float | None,
-                   logits_atol: float) -> PromptRow:
-    divergent = next((i for i, (a, b) in enumerate(zip(ref.drafts, run.drafts)) if a != b), None)
+                   logits_atol: float, drafts_reported: bool = True, in_order: bool = True) -> PromptRow:
+    """One prompt's row. A runtime that reports no drafts (`Speculator.reports_drafts`) is compared on
+    tokens and accepted counts; one whose rounds come as counts only (`rounds_in_order`) on their multiset."""
+    divergent = (next((i for i, (a, b) in enumerate(zip(ref.drafts, run.drafts)) if a != b), None)
+                 if drafts_reported else None)
+    same_rounds = (ref.accepted_per_step == run.accepted_per_step if in_order
+                   else sorted(ref.accepted_per_step) == sorted(run.accepted_per_step))
     return PromptRow(
         prompt_index=index, prompt_len=len(prompt), tokens_identical=ref.tokens == run.tokens,
-        accepted_identical=ref.accepted_per_step == run.accepted_per_step, drafts_identical=divergent is None,
+        accepted_identical=same_rounds, drafts_identical=divergent is None,
         first_divergent_round=divergent, tau_reference=ref.acceptance_length, tau_runtime=run.acceptance_length,
         first_logits_max_abs_diff=logits_diff, per_position_reference=ref.per_position_acceptance,
         per_position_runtime=run.per_position_acceptance, rounds_reference=len(ref.accepted_per_step),
-        rounds_runtime=len(run.accepted_per_step), symptom=_symptom(ref, run, divergent, logits_diff, logits_atol),
+        rounds_runtime=len(run.accepted_per_step),
+        symptom=_symptom(ref, run, divergent, logits_diff, logits_atol, drafts_reported),
+        accepted_per_position_reference=accepted_per_position(ref),
+        accepted_per_position_runtime=accepted_per_position(run), drafts_reported=drafts_reported,
     )
 
 
@@ -151,7 +205,8 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
     if mode == "replay" and (temperature != 0 or not hasattr(reference, "replay")):
         raise UserError("replay parity compares greedy runs of a reference pair; use --mode autoregressive")
     exact = runtime.exact if exact is None else exact
-    report = ParityReport(runtime.name, depth, temperature, exact, thresholds, mode)
+    report = ParityReport(runtime.name, depth, temperature, exact, thresholds, mode,
+                          drafts_reported=getattr(runtime, "reports_drafts", True))
     with phases.phase("compare", total=len(prompts)):
         _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens, temperature, seed, exact,
                          thresholds, mode, on_prompt, phases)
@@ -174,19 +229,30 @@ def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: C
     phases = Phases.of(progress)
     with phases.phase("load_runtime"):
         runtime = load_runtime()
-    runs = []
-    with phases.phase("runtime", total=len(prompts)):
-        for i, prompt in enumerate(prompts):
-            logits = FirstDraftLogits()
-            runs.append((runtime.run(prompt, max_new_tokens, depth, 0.0, seed + i, observer=logits), logits))
-            phases("runtime", i + 1, len(prompts))
-    positions = _positions_within(runs, depth, per_depth_positions)
-    continuations = [run.tokens[:positions + depth - 1] for run, _ in runs]
-    per_depth = {"positions_per_prompt": positions}
-    if positions:
-        with phases.phase("per_depth"):
-            per_depth["runtime"] = per_depth_side(runtime, prompts, depth, positions, continuations)
-    report = ParityReport(runtime.name, depth, 0.0, runtime.exact, thresholds, "replay")
+    try:
+        runs = []
+        with phases.phase("runtime", total=len(prompts)):
+            for i, prompt in enumerate(prompts):
+                logits = FirstDraftLogits()
+                runs.append((runtime.run(prompt, max_new_tokens, depth, 0.0, seed + i, observer=logits), logits))
+                phases("runtime", i + 1, len(prompts))
+        positions = _positions_within(runs, depth, per_depth_positions)
+        continuations = [run.tokens[:positions + depth - 1] for run, _ in runs]
+        per_depth = {"positions_per_prompt": positions}
+        if positions:
+            with phases.phase("per_depth"):
+                per_depth["runtime"] = per_depth_side(runtime, prompts, depth, positions, continuations)
+    except BaseException:
+        runtime.close()
+        raise
+    report = ParityReport(runtime.name, depth, 0.0, runtime.exact, thresholds, "replay",
+                          drafts_reported=runtime.reports_drafts)
+    if not runtime.rounds_in_order:
+        runtime.close()
+        raise UserError(f"the {runtime.name} runtime reported acceptance counts without the order of its rounds, "
+                        "which replay needs: use --mode autoregressive (or start vLLM with "
+                        "--per-request-spec-decode-metrics detailed)")
+    runtime.close()  # a server it started stops before the reference loads
     del runtime
     gc.collect()  # the runtime's weights and sessions go before the reference's arrive
     with phases.phase("load_reference"):
@@ -198,7 +264,8 @@ def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: C
         for i, (prompt, (run, run_logits)) in enumerate(zip(prompts, runs)):
             ref_logits = FirstDraftLogits()
             ref = reference.replay(prompt, run, observer=ref_logits)
-            row = compare_prompt(i, prompt, ref, run, _max_abs_diff(ref_logits.logits, run_logits.logits), atol)
+            row = compare_prompt(i, prompt, ref, run, _max_abs_diff(ref_logits.logits, run_logits.logits), atol,
+                                 report.drafts_reported)
             row.target_forwards_reference = 1
             report.rows.append(row)
             phases("compare", i + 1, len(prompts))
@@ -230,7 +297,7 @@ def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
             forwards = 1 + len(ref.accepted_per_step)
         atol = thresholds.logits_atol if exact else thresholds.half_precision_logits_atol
         diff = _max_abs_diff(ref_logits.logits, run_logits.logits)
-        row = compare_prompt(i, prompt, ref, run, diff, atol)
+        row = compare_prompt(i, prompt, ref, run, diff, atol, runtime.reports_drafts, runtime.rounds_in_order)
         row.target_forwards_reference = forwards
         report.rows.append(row)
         if on_prompt:
@@ -246,7 +313,7 @@ def _failures(report: ParityReport) -> list[str]:
                 out.append(f"prompt {row.prompt_index}: generated tokens differ ({row.symptom})")
             elif report.exact and not row.accepted_identical:
                 out.append(f"prompt {row.prompt_index}: accepted_per_step differs ({row.symptom})")
-            elif report.exact and not row.drafts_identical:
+            elif report.exact and row.drafts_reported and not row.drafts_identical:
                 out.append(f"prompt {row.prompt_index}: drafts differ from round {row.first_divergent_round} "
                            f"({row.symptom})")
         if not report.exact:

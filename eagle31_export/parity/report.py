@@ -41,7 +41,10 @@ def markdown(report: ParityReport) -> str:
         f"| prompts with identical tokens | {len(report.rows)} | {sum(r.tokens_identical for r in report.rows)} |",
         f"| prompts with identical accepted_per_step | {len(report.rows)} "
         f"| {sum(r.accepted_identical for r in report.rows)} |",
-        f"| prompts with identical drafts | {len(report.rows)} | {sum(r.drafts_identical for r in report.rows)} |",
+        _drafts_row(report),
+        *_position_rows(report),
+        "",
+        f"compared: {report.compared}",
         "",
     ]
     if diffs:
@@ -56,6 +59,23 @@ def markdown(report: ParityReport) -> str:
               "", "Plots: `acceptance_by_position.png`, `tau_per_prompt.png`, `tau_vs_context.png`"
               + (", `per_depth.png`" if report.per_depth else "") + ".", ""]
     return "\n".join(lines)
+
+
+def _drafts_row(report: ParityReport) -> str:
+    if not report.drafts_reported:
+        return f"| prompts with identical drafts | {len(report.rows)} | not reported by {report.runtime} |"
+    return f"| prompts with identical drafts | {len(report.rows)} | {sum(r.drafts_identical for r in report.rows)} |"
+
+
+def _position_rows(report: ParityReport) -> list[str]:
+    """Rounds accepted at each draft position, summed over prompts (what vLLM's counters count)."""
+    rows = []
+    for pos in range(report.depth):
+        ref = sum(r.accepted_per_position_reference[pos] for r in report.rows if r.accepted_per_position_reference)
+        run = sum(r.accepted_per_position_runtime[pos] for r in report.rows if r.accepted_per_position_runtime)
+        rows.append(f"| rounds accepted at draft position {pos + 1} | {ref} | {run} |")
+    rounds = (sum(r.rounds_reference for r in report.rows), sum(r.rounds_runtime for r in report.rows))
+    return [f"| rounds | {rounds[0]} | {rounds[1]} |", *rows]
 
 
 def per_depth_lines(report: ParityReport) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,13 +27,20 @@ from eagle31_export.runtime.registry import LoadOptions, PairSource, load_specul
 
 
 def bundle_sources(bundle: Path) -> tuple[Path | None, Path | None]:
-    """The drafter/target an `export onnx` folder was exported from, where it records them
-    (absolute, or relative to the folder)."""
+    """The drafter/target an `export onnx` folder or a serving bundle was exported from, where it
+    records them (absolute, or relative to the folder)."""
     meta = bundle / "graphs.json"
     if meta.is_file():
         src = json.loads(meta.read_text()).get("source", {})
         return (bundle / src["drafter"] if src.get("drafter") else None,
                 bundle / src["target"] if src.get("target") else None)
+    record = bundle / "bundle.json"
+    if record.is_file():
+        data = json.loads(record.read_text())
+        drafter = (data.get("drafter_source") or {}).get("path")
+        target = data.get("target")
+        return (bundle / drafter if isinstance(drafter, str) and drafter else None,
+                bundle / target if isinstance(target, str) and target else None)
     return None, None
 
 
@@ -60,13 +68,15 @@ def default_prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list
 def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target: Path | None, url: str | None,
                  prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                  progress=None, mode: str | None = None, capture: Path | None = None,
-                 act_quant: bool = False, device: str = "cpu") -> ParityReport:
+                 act_quant: bool = False, device: str = "cpu", runtime_options: dict | None = None) -> ParityReport:
     """The whole parity check: both sides from the registry, the prompts, the comparison.
     `progress(phase, done, total)` hears of each phase (load_reference, load_runtime, compare per
     prompt, per_depth; eagle31_export/progress.py), whose seconds land in `report.timings`. With
     `capture` (instead of `target`) both sides read the target's outputs from it and the prompts are
     the captured ones. `act_quant`: an NVFP4 target computes W4A4 (its inputs NVFP4-quantized too) on
-    both sides. `device` (cpu, cuda, auto): where the reference pair computes, on both sides."""
+    both sides. `device` (cpu, cuda, auto): where the reference pair computes, on both sides.
+    `runtime_options`: LoadOptions fields for the runtime side only (vllm: `dtype` of the engine, `vllm`,
+    `port`, `engine_timeout`); the reference always computes in fp32."""
     runtime_named(runtime)  # an unknown name fails before anything loads
     resolve_device(device, runtime)  # and so does a device either side cannot use
     phases = Phases.of(progress)
@@ -80,7 +90,7 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
                             "drop --act-quant, or give --target")
         return _parity_on_capture(runtime, bundle, drafter or (bundle_sources(bundle)[0] if bundle else None), capture,
                                   url, prompts_file, depth, max_new_tokens, temperature, seed, phases, mode,
-                                  target, device)
+                                  target, device, runtime_options)
     src_drafter, src_target = bundle_sources(bundle) if bundle else (None, None)
     drafter, target = drafter or src_drafter, target or src_target
     if drafter is None or target is None:
@@ -90,7 +100,7 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     prompts = read_prompts(prompts_file, target, vocab) if prompts_file else default_prompts(vocab)
     options = LoadOptions(dtype=torch.float32, act_quant=act_quant, device=device)
     return _run_sides(runtime, PairSource.of(drafter, target), PairSource.of(drafter, target, bundle, url), options,
-                      prompts, depth, max_new_tokens, temperature, seed, mode, phases)
+                      prompts, depth, max_new_tokens, temperature, seed, mode, phases, runtime_options)
 
 
 def capture_prompts(capture, prompts_file: Path | None) -> list[list[int]]:
@@ -105,7 +115,8 @@ def capture_prompts(capture, prompts_file: Path | None) -> list[list[int]]:
 
 def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, capture_dir: Path, url: str | None,
                        prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float, seed: int,
-                       phases: Phases, mode: str | None, target: Path | None, device: str) -> ParityReport:
+                       phases: Phases, mode: str | None, target: Path | None, device: str,
+                       runtime_options: dict | None = None) -> ParityReport:
     from eagle31_export.formats.capture import Capture
 
     if target is not None:
@@ -121,19 +132,21 @@ def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, 
     options = LoadOptions(dtype=torch.float32, device=device)
     return _run_sides(runtime, PairSource.of(drafter, capture=capture_dir),
                       PairSource.of(drafter, None, bundle, url, capture=capture_dir), options, prompts, depth,
-                      max_new_tokens, temperature, seed, mode, phases)
+                      max_new_tokens, temperature, seed, mode, phases, runtime_options)
 
 
 def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairSource, options: LoadOptions,
                prompts: list[list[int]], depth: int, max_new_tokens: int, temperature: float, seed: int,
-               mode: str | None, phases: Phases) -> ParityReport:
+               mode: str | None, phases: Phases, runtime_options: dict | None = None) -> ParityReport:
     """Greedy replay (the default) holds one side at a time, so a target that fits the machine once is
     enough; autoregressive and sampling parity run both sides prompt by prompt."""
     if mode not in (None, *MODES):
         raise UserError(f"unknown parity mode {mode!r}; choose one of {', '.join(MODES)}")
     with tempfile.TemporaryDirectory(prefix="eagle31-parity-") as workdir:  # an on-the-fly export lives here
+        runtime_side = replace(options, depth=depth, **(runtime_options or {}))
+
         def load_runtime():
-            return load_speculator(runtime, runtime_source, options, workdir)
+            return load_speculator(runtime, runtime_source, runtime_side, workdir)
 
         def load_reference():
             return load_speculator("reference", reference_source, options)
@@ -145,5 +158,6 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
             reference = load_reference()
         with phases.phase("load_runtime"):
             other = load_runtime()
-        return run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
-                          mode=mode, progress=phases)
+        with other:  # a server the runtime started stops whatever happens
+            return run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
+                              mode=mode, progress=phases)

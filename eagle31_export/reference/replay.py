@@ -25,15 +25,28 @@ from eagle31_export.reference.speculate import (
 )
 
 
-def verified_sequence(prompt: list[int], run: SpecResult) -> tuple[list[int], list[int]]:
-    """(the sequence the runtime verified, the position of the newest token at each round's start)."""
+def verified_sequence(prompt: list[int], run: SpecResult, target: TargetBackend | None = None
+                      ) -> tuple[list[int], list[int]]:
+    """(the sequence the runtime verified, the position of the newest token at each round's start).
+    A runtime that reports no drafts (vLLM) leaves the last round's accepted drafts past
+    `max_new_tokens` unknown: they are the target's greedy tokens (greedy speculation is lossless), so
+    `target` continues the sequence by them, one forward each (at most depth - 1)."""
     starts, m = [], len(prompt)
     for accepted in run.accepted_per_step:
         starts.append(m)
         m += accepted + 1
     kept = 1 + sum(a + 1 for a in run.accepted_per_step[:-1]) if run.accepted_per_step else len(run.tokens)
-    tail = run.drafts[-1][: run.accepted_per_step[-1]] if run.accepted_per_step else []
-    return list(prompt) + list(run.tokens[:kept]) + list(tail), starts
+    seq = list(prompt) + list(run.tokens[:kept])
+    if not run.accepted_per_step:
+        return seq, starts
+    if len(run.drafts) == len(run.accepted_per_step):
+        return seq + list(run.drafts[-1][: run.accepted_per_step[-1]]), starts
+    tail = list(run.tokens[kept: kept + run.accepted_per_step[-1]])
+    while len(tail) < run.accepted_per_step[-1] and target is not None:
+        target.reset()
+        logits, _ = target.forward(torch.tensor([seq + tail]))
+        tail.append(int(logits[0, -1].argmax()))
+    return seq + tail, starts
 
 
 @torch.no_grad()
@@ -42,7 +55,7 @@ def replay_greedy(target: TargetBackend, drafter: DrafterBackend, prompt: list[i
     """The reference's result for `run`'s rounds: tokens are the target's greedy tokens along the
     runtime's sequence, drafts are the reference drafter's at the runtime's round boundaries."""
     observer = observer or LoopObserver()
-    seq, starts = verified_sequence(prompt, run)
+    seq, starts = verified_sequence(prompt, run, target)
     target.reset()
     logits, taps = target.forward(torch.tensor([seq]))
     greedy = [int(t) for t in logits[0].argmax(-1)]  # greedy[j]: the target's token after seq[: j + 1]

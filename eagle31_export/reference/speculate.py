@@ -287,3 +287,17 @@ def _draft_chain(drafter: ChainDrafterBackend, ids, positions, taps, depth: int,
     logits = drafter.draft_chain(ids, positions, taps, depth)
     drafts = [sampler.draft(logits[0, i], drafter, vocab)[0] for i in range(depth)]
     return drafts, [None] * depth, logits[0, 0].detach().clone()
+
+
+def replay_rounds(result: SpecResult, observer: LoopObserver) -> None:
+    """Report a finished result's rounds: each committed its accepted drafts plus one token. A runtime
+    that does not report its drafts (vLLM) leaves `result.drafts` empty: the rounds then carry none."""
+    if not result.tokens:
+        return
+    observer.on_prefill(result.tokens[0])
+    done = 1
+    for i, accepted in enumerate(result.accepted_per_step):
+        committed = result.tokens[done: done + accepted + 1]
+        done += len(committed)
+        drafts = result.drafts[i] if i < len(result.drafts) else []
+        observer.on_round(Round(i, list(drafts), accepted, committed))

@@ -46,6 +46,10 @@ class LoadOptions:
     chain: bool = False  # onnxruntime: draft with the exported chain graph
     threads: int | None = None
     device: str = "cpu"  # cpu, cuda or auto (resolve_device); where the reference target and drafter compute
+    depth: int | None = None  # vllm: num_speculative_tokens of a local engine (None: the bundle's)
+    vllm: str | None = None  # vllm: a python interpreter or virtual environment that has vLLM ($EAGLE31_VLLM)
+    port: int | None = None  # vllm: the local engine's port on 127.0.0.1 (None: a free one)
+    engine_timeout: float = 600.0  # vllm: seconds a local engine may take to become ready
 
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -76,6 +80,17 @@ class Speculator:
 
     name: str = ""
     exact: bool = True
+    reports_drafts = True  # False: the runtime returns tokens and acceptance counts, not its drafts (vLLM)
+    rounds_in_order = True  # False: accepted counts per round are known as counts only, not in order
+
+    def close(self) -> None:
+        """Release what the runtime holds outside this process (a server it started)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, depth: int, temperature: float = 0.0, seed: int = 0,
             stop_ids: tuple[int, ...] = (), observer: LoopObserver | None = None) -> SpecResult:
@@ -131,6 +146,12 @@ def _onnxruntime():
     return onnxruntime
 
 
+def _vllm():
+    from eagle31_export.runtime import vllm_runtime
+
+    return vllm_runtime
+
+
 def _triton():
     from eagle31_export.runtime import triton_client
 
@@ -143,6 +164,9 @@ RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
     Runtime("onnxruntime", "the exported ONNX graphs on ONNX Runtime (CPU)", _onnxruntime, ("cpu",)),
     # the server decides where it computes; this process only sends requests
     Runtime("triton", "a running Triton server (--url HOST:PORT)", _triton, ("cpu",)),
+    # the engine decides where it computes (its own build: CPU or GPU); this process sends requests
+    Runtime("vllm", "a real vLLM engine: a server at --url, or one started locally from --vllm VENV over a "
+                    "bundle of `export vllm`", _vllm, ("cpu",)),
 )}
 
 DEFAULT_SERVING_RUNTIME = "onnxruntime"  # what the Triton `cpu` repository runs unless told otherwise

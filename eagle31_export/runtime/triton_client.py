@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from eagle31_export.errors import UserError
-from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
+from eagle31_export.reference.speculate import SpecResult, replay_rounds
 from eagle31_export.runtime.registry import LoadOptions, PairSource, Speculator
 from eagle31_export.runtime.triton_repo import GENERATE_MODEL, SPECULATE_MODEL
 
@@ -144,18 +144,6 @@ class RemoteSpeculator(Speculator):
         if observer is not None:
             replay_rounds(result, observer)
         return result
-
-
-def replay_rounds(result: SpecResult, observer: LoopObserver) -> None:
-    """Report a finished result's rounds: each committed its accepted drafts plus one token."""
-    if not result.tokens:
-        return
-    observer.on_prefill(result.tokens[0])
-    done = 1
-    for i, (drafts, accepted) in enumerate(zip(result.drafts, result.accepted_per_step)):
-        committed = result.tokens[done: done + accepted + 1]
-        done += len(committed)
-        observer.on_round(Round(i, list(drafts), accepted, committed))
 
 
 def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir=None) -> RemoteSpeculator:

@@ -22,3 +22,10 @@ def drop_fc_norm(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:
     """fc_norm weights and flag lost on the way to the exported config."""
     tensors = {k: v for k, v in ckpt.tensors.items() if not k.startswith("fc_norm.")}
     return DrafterCheckpoint(ckpt.config.replace(fc_norm=False), tensors)
+
+
+def shift_d2t(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:
+    """The draft-to-target vocabulary map off by one: every draft token lands on the next target id."""
+    tensors = dict(ckpt.tensors)
+    tensors["d2t"] = tensors["d2t"] + 1
+    return DrafterCheckpoint(ckpt.config, tensors)

@@ -1,0 +1,253 @@
+"""A real vLLM engine (vLLM's CPU build, 0.32) runs our `export vllm` bundles; parity compares it with the
+reference. No stand-in: every test here starts `python -m vllm.entrypoints.openai.api_server` from the vLLM
+environment `make test` sets up ($EAGLE31_VLLM; it fails, not skips, there when vLLM is missing).
+
+One engine per bundle (each start is 15-40 s on 2 cores); tests sharing a bundle share its engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle31_export.errors import UserError
+from eagle31_export.export.vllm import export_vllm
+from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, write_drafter
+from eagle31_export.formats.outputs import write_manifest
+from eagle31_export.parity.compare import LATER_POSITIONS, POSITION_1
+from eagle31_export.parity.sides import check_parity
+from eagle31_export.runtime.registry import LoadOptions
+from eagle31_export.runtime.vllm_engine import LocalServer, find_vllm
+from eagle31_export.runtime.vllm_runtime import engine_args
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny" / "models"
+TARGET, DRAFTER31, DRAFTER3 = TINY / "target", TINY / "drafter-eagle31", TINY / "drafter-eagle3"
+KIMI = ROOT / "examples" / "kimi" / "models"
+CLI = Path(sys.executable).parent / "eagle31-export"
+VLLM = os.environ.get("EAGLE31_VLLM") or (str(ROOT / ".venv-vllm") if (ROOT / ".venv-vllm").is_dir() else None)
+sys.path.insert(0, str(ROOT / "tests" / "parity"))
+
+from sabotage import drop_fc_norm, pre_norm_feedback, shift_aux_ids, shift_d2t  # noqa: E402
+
+PARITY = dict(depth=3, max_new_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    """The vLLM environment's interpreter, or a skip (a failure under `make test`)."""
+    try:
+        find_vllm(VLLM)
+    except UserError as err:
+        if os.environ.get("EAGLE31_REQUIRE_VLLM") == "1":
+            pytest.fail(f"vLLM is required here: {err}")
+        pytest.skip(f"no vLLM environment: {err}")
+    return VLLM
+
+
+def parity(vllm, bundle, drafter, target=TARGET, **kw):
+    args = {**PARITY, **kw}
+    runtime_options = {"vllm": vllm, **args.pop("runtime_options", {})}
+    return check_parity("vllm", Path(bundle) if bundle else None, Path(drafter), Path(target), args.pop("url", None),
+                        None, args.pop("depth"), args.pop("max_new_tokens"), runtime_options=runtime_options, **args)
+
+
+def cli(*argv, timeout=900):
+    done = subprocess.run([str(CLI), *map(str, argv)], capture_output=True, text=True, timeout=timeout)
+    return done.returncode, done.stdout, done.stderr
+
+
+def vllm_processes(port: int) -> list[str]:
+    """Command lines of live processes serving `port` (none may outlive a command)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "vllm" in cmd and f"--port {port} " in cmd + " ":
+                found.append(cmd)
+    return found
+
+
+def four_tap(ckpt: DrafterCheckpoint, target_layers: int) -> DrafterCheckpoint:
+    """The trained 3-tap drafter with a 4th tap (the last layer's input) whose fc columns are small
+    random values: it drafts nearly as well, and vLLM must load a 4-block fc to run it."""
+    ids = ckpt.config.resolved_aux_layer_ids(target_layers)
+    extra = max(i for i in range(target_layers) if i not in ids)
+    tensors = dict(ckpt.tensors)
+    fc = tensors["fc.weight"]
+    width = fc.shape[1] // len(ids)
+    noise = 0.02 * torch.randn(fc.shape[0], width, generator=torch.Generator().manual_seed(0))
+    tensors["fc.weight"] = torch.cat([fc, noise.to(fc.dtype)], dim=1)
+    if ckpt.config.fc_norm:
+        tensors[f"fc_norm.{len(ids)}.weight"] = tensors["fc_norm.0.weight"].clone()
+    cfg = ckpt.config.replace(aux_layer_ids=(*ids, extra), num_aux_hidden_states=len(ids) + 1)
+    return DrafterCheckpoint(cfg, tensors)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Drafter folders: the trained tiny drafters, a 4-tap one, and the sabotaged exports' sources."""
+    root = tmp_path_factory.mktemp("vllm-drafters")
+    ckpt = read_drafter(DRAFTER31)
+    layers = 8
+    made = {"4tap": four_tap(ckpt, layers), "norm_output": pre_norm_feedback(ckpt),
+            "taps": shift_aux_ids(ckpt, layers), "fc_norm": drop_fc_norm(ckpt), "d2t": shift_d2t(ckpt)}
+    return {name: write_drafter(c, root / name, "specforge") for name, c in made.items()}
+
+
+def bundle_of(tmp_path, drafter, layout="auto", target=TARGET):
+    return export_vllm(drafter, target, tmp_path / f"bundle-{Path(drafter).name}-{layout}", layout=layout)
+
+
+def assert_exact_pass(report):
+    assert report.passed, report.failures
+    assert report.exact and not report.drafts_reported and report.mode == "replay"
+    for row in report.rows:
+        assert row.tokens_identical and row.accepted_identical
+        assert row.accepted_per_position_runtime == row.accepted_per_position_reference
+        assert row.rounds_runtime == row.rounds_reference
+    # not a vacuous comparison: the engine's drafter accepted drafts at every position
+    assert all(sum(r.accepted_per_position_runtime[p] for r in report.rows) > 0 for p in range(report.depth))
+
+
+@pytest.mark.parametrize("drafter, layout", [(DRAFTER3, "auto"), (DRAFTER3, "speculators"),
+                                             (DRAFTER31, "speculators")],
+                         ids=["eagle3-eagle", "eagle3-speculators", "eagle31-speculators"])
+def test_parity_exact_on_vllm(vllm, tmp_path, drafter, layout):
+    assert_exact_pass(parity(vllm, bundle_of(tmp_path, drafter, layout), drafter))
+
+
+def test_four_tap_speculators_drafter_runs_exactly(vllm, tmp_path, sources):
+    bundle = bundle_of(tmp_path, sources["4tap"], "speculators")
+    assert_exact_pass(parity(vllm, bundle, sources["4tap"]))
+
+
+def _comparable(report) -> dict:
+    data = report.to_json()
+    data.pop("timings")
+    return data
+
+
+def test_cli_local_engine_and_url_give_the_same_report(vllm, tmp_path):
+    """`parity BUNDLE --runtime vllm --vllm VENV` starts and stops its own engine; the same bundle
+    served by a separately started server and reached with --url gives the same report."""
+    bundle = bundle_of(tmp_path, DRAFTER31)
+    port = _free_port()
+    code, out, err = cli("parity", bundle, "--runtime", "vllm", "--vllm", vllm, "--port", port, "--json")
+    assert code == 0, err
+    import json
+
+    local = json.loads(out)
+    assert local["passed"] and local["runtime"] == "vllm" and "exact" in local["compared"]
+    assert not vllm_processes(port)
+    record = __import__("eagle31_export.export.bundle", fromlist=["read_bundle"]).read_bundle(bundle)
+    install = find_vllm(vllm)
+    with LocalServer(install, engine_args(record, LoadOptions(depth=3)), tmp_path) as server:
+        remote = parity(vllm, None, DRAFTER31, url=server.url)
+        # sampling: vLLM's own rejection sampler, per-position rates within the statistical bound
+        sampled = parity(vllm, None, DRAFTER31, url=server.url, temperature=0.8, mode="autoregressive")
+    assert_exact_pass(remote)
+    local.pop("timings")
+    assert _comparable(remote) == local
+    assert sampled.passed, sampled.failures
+    assert sampled.temperature == 0.8 and "statistical" in sampled.compared
+    assert sum(r.rounds_runtime for r in sampled.rows) > 50
+
+
+@pytest.mark.parametrize("bug, symptom", [("norm_output", LATER_POSITIONS), ("taps", POSITION_1),
+                                          ("fc_norm", POSITION_1), ("d2t", POSITION_1)])
+def test_broken_bundles_fail_on_vllm_with_their_symptom(vllm, tmp_path, sources, bug, symptom):
+    """Each bundle is what a buggy exporter would write (a valid manifest over broken content);
+    vLLM runs every one of them without a word, and parity names the cause."""
+    report = parity(vllm, bundle_of(tmp_path, sources[bug]), DRAFTER31)
+    assert not report.passed
+    assert all(r.tokens_identical for r in report.rows)  # lossless: only acceptance shows it
+    failing = [r for r in report.rows if not r.accepted_identical]
+    assert failing and all(symptom in r.symptom for r in failing), [r.symptom for r in failing]
+    assert report.tau("runtime") < report.tau("reference")
+
+
+def test_kimi_mla_pair_runs_on_vllm(vllm, tmp_path, sources):
+    """The flagship shape: the `eagle3.1-mla` drafter exported by `export vllm` with no hand edit, over
+    the DeepSeek-V3 MoE target at the published MLA widths; dropping norm_output fails."""
+    drafter, target = KIMI / "drafter-eagle31", KIMI / "target"
+    report = parity(vllm, bundle_of(tmp_path, drafter, target=target), drafter, target=target)
+    assert_exact_pass(report)
+    broken = write_drafter(pre_norm_feedback(read_drafter(drafter)), tmp_path / "kimi-no-norm-output", "modelopt")
+    bad = parity(vllm, bundle_of(tmp_path, broken, target=target), drafter, target=target)
+    assert not bad.passed
+    assert all(LATER_POSITIONS in r.symptom for r in bad.rows if not r.accepted_identical)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _assert_one_line(code, out, err, *needles):
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_input_is_one_line_and_leaves_no_process(vllm, tmp_path):
+    bundle = bundle_of(tmp_path, DRAFTER31)
+    # no vLLM in the named environment (ours has none)
+    _assert_one_line(*cli("parity", bundle, "--runtime", "vllm", "--vllm", sys.executable), "no vLLM found")
+    # a vLLM too old for the drafter's flags (the capability table): an environment whose only vLLM
+    # is 0.21.0's metadata, so the refusal comes before anything would start
+    old = tmp_path / "old-vllm"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(old)], check=True)
+    site = next((old / "lib").glob("python*/site-packages"))
+    (site / "vllm").mkdir()
+    (site / "vllm" / "__init__.py").write_text("")
+    (site / "vllm-0.21.0.dist-info").mkdir()
+    (site / "vllm-0.21.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.21.0\n")
+    _assert_one_line(*cli("parity", bundle, "--runtime", "vllm", "--vllm", old), "0.21.0")
+    # a port in use
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        _assert_one_line(*cli("parity", bundle, "--runtime", "vllm", "--vllm", vllm, "--port", port), "in use")
+    # a server that never becomes ready in time
+    port = _free_port()
+    _assert_one_line(*cli("parity", bundle, "--runtime", "vllm", "--vllm", vllm, "--port", port,
+                          "--engine-timeout", 1), "not ready after 1 s")
+    assert not vllm_processes(port)
+    # an NVFP4 target on vLLM's CPU build: no kernel for it
+    nvfp4 = export_vllm(DRAFTER31, TINY / "target-nvfp4", tmp_path / "bundle-nvfp4")
+    _assert_one_line(*cli("parity", nvfp4, "--runtime", "vllm", "--vllm", vllm), "no NVFP4 kernel")
+    # nothing listening at --url
+    _assert_one_line(*cli("parity", "--drafter", DRAFTER31, "--target", TARGET, "--runtime", "vllm",
+                          "--url", f"http://127.0.0.1:{_free_port()}"), "is the server running")
+
+
+def test_a_bundle_vllm_refuses_is_its_own_message_in_one_line(vllm, tmp_path):
+    """vLLM refuses this drafter while loading it (its fc does not fit the declared taps); the engine
+    dies before it is ready, and the command says vLLM's reason in one line and leaves nothing running."""
+    bundle = bundle_of(tmp_path, DRAFTER31)
+    config = bundle / "drafter" / "config.json"
+    import json
+
+    data = json.loads(config.read_text())
+    data["hidden_size"] = 128  # the weights are 192 wide
+    config.write_text(json.dumps(data))
+    write_manifest(bundle, references={"target": str(TARGET)})
+    port = _free_port()
+    code, out, err = cli("parity", bundle, "--runtime", "vllm", "--vllm", vllm, "--port", port)
+    _assert_one_line(code, out, err, "vLLM", "exited")
+    assert not vllm_processes(port)
