@@ -272,7 +272,9 @@ def test_consumer_layouts(llama_info):
     assert consumer_layout("sglang", plain) == ("specforge", None)
     assert consumer_layout("trtllm", plain) == ("trtllm", None)
     mla = drafter_config_for(llama_info, mla=True)
-    assert consumer_layout("vllm", mla) == ("eagle", MLA_ARCHITECTURE_PATCH)
+    # vLLM 0.32 sends deepseek_v3 drafts down its MTP path (vllm/config/speculative.py); kimi_k2 it leaves be
+    assert consumer_layout("vllm", mla) == ("eagle", {"architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                                                      "model_type": "kimi_k2"})
     assert consumer_layout("sglang", mla) == ("specforge", MLA_ARCHITECTURE_PATCH)
     assert consumer_layout("trtllm", mla) == ("trtllm", None)
     with pytest.raises(CheckpointError, match="unknown serving runtime"):

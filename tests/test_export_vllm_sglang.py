@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from eagle31_export.errors import CheckpointError
 from eagle31_export.export.sglang import export_sglang
 from eagle31_export.export.trtllm import export_trtllm
 from eagle31_export.export.vllm import export_vllm
@@ -45,8 +46,50 @@ def test_vllm_drafter_and_speculative_config(bundles, llama_target):
     spec = json.loads((out / "speculative_config.json").read_text())
     assert spec == {"method": "eagle3", "model": "drafter", "num_speculative_tokens": 5}  # relative to the bundle
     readme = (out / "README.md").read_text()
-    assert f"vllm serve {llama_target.resolve()} " in readme and f"--speculative-config '{json.dumps(spec)}'" in readme
+    # `vllm serve` fails under the CPU build (vllm/entrypoints/cli/main.py asks for the distribution `vllm`)
+    assert "vllm serve" not in readme
+    server = f"python -m vllm.entrypoints.openai.api_server --model {llama_target.resolve()} "
+    assert server in readme and f"--speculative-config '{json.dumps(spec)}'" in readme
+    # the default dtype is not the exact comparison: an fp32 line that also returns per-step accepted counts
+    parity_line = next(line for line in readme.splitlines() if line.startswith(server) and "--dtype float32" in line)
+    assert "--per-request-spec-decode-metrics detailed" in parity_line
+    assert "bf16" in readme and "metrics.speculative_decoding" in readme
     assert read_drafter(out / "drafter").config.aux_layer_ids == (1, 3, 4)  # read back: output-of-layer
+
+
+def test_vllm_eagle_layout_states_the_tap_count_and_norm_before_residual(bundles):
+    """vLLM 0.32's llama_eagle3.py sizes fc from num_aux_hidden_states (else eagle_config's list, else 3), never
+    from the top-level list, and reads norm_before_residual with default false: both are written explicitly."""
+    config = json.loads((bundles["vllm"] / "drafter" / "config.json").read_text())
+    assert config["num_aux_hidden_states"] == 3 == len(config["eagle_aux_hidden_state_layer_ids"])
+    assert config["norm_before_residual"] is False
+
+
+def test_vllm_speculators_layout_puts_the_tap_count_where_vllm_reads_it(tmp_path, llama_info, llama_target):
+    """vLLM 0.32 builds the drafter's model config from transformer_layer_config plus named top-level keys
+    (vllm/transformers_utils/configs/speculators/algos.py: update_eagle3), of which num_aux_hidden_states is not
+    one; norm_before_residual it defaults to TRUE there. A 4-tap drafter must say 4 inside the layer config."""
+    cfg = drafter_config_for(llama_info, fc_norm=True, norm_output=True, aux_layer_ids=(1, 2, 3, 4))
+    src = write_drafter(random_drafter(cfg, seed=9), tmp_path / "src", "specforge")
+    out = export_vllm(src, llama_target, tmp_path / "v", layout="speculators")
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    with safe_open(str(out / "drafter" / "model.safetensors"), framework="pt") as f:
+        fc_inputs = f.get_slice("fc.weight").get_shape()[1]
+    assert fc_inputs == 4 * llama_info.hidden_size
+    assert config["transformer_layer_config"]["num_aux_hidden_states"] == 4
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4, 5]  # before-layer, top level (copied by vLLM)
+    assert config["norm_before_residual"] is False
+    assert read_drafter(out / "drafter").config.num_aux_hidden_states == 4
+
+
+def test_a_speculators_config_whose_two_tap_counts_disagree_is_refused(tmp_path, llama_info):
+    cfg = drafter_config_for(llama_info, aux_layer_ids=(1, 2, 3, 4))
+    src = write_drafter(random_drafter(cfg, seed=9), tmp_path / "src", "speculators")
+    config = json.loads((src / "config.json").read_text())
+    config["transformer_layer_config"]["num_aux_hidden_states"] = 3
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="what vLLM reads"):
+        read_drafter(src)
 
 
 def test_sglang_drafter_and_flags(bundles):
@@ -107,6 +150,32 @@ def test_mla_drafter_gets_the_deepseek_eagle3_architecture(tmp_path, llama_info,
         config = json.loads((export(src, llama_target, tmp_path / name) / "drafter" / "config.json").read_text())
         assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["kv_lora_rank"] == 16
         assert config["fc_norm"] is True and config["norm_output"] is True
+
+
+def test_vllm_mla_drafter_has_the_config_and_weight_names_vllm_loads(tmp_path, llama_info, llama_target):
+    """vLLM 0.32: a deepseek_v3 draft is turned into DeepSeek MTP (vllm/config/speculative.py:
+    hf_config_override) and refused; kimi_k2 maps to DeepseekV3Config (vllm/transformers_utils/config.py) and is
+    left alone. Eagle3DeepseekV2ForCausalLM (vllm/model_executor/models/deepseek_eagle3.py) loads `midlayer.*` as
+    layers.0, fuses q_a_proj + kv_a_proj_with_mqa, renames d2t, skips t2d, and keeps fc / fc_norm.i / norm /
+    lm_head; the names below are the ones it maps."""
+    cfg = drafter_config_for(llama_info, mla=True, fc_norm=True, norm_output=True)
+    src = write_drafter(random_drafter(cfg), tmp_path / "src", "modelopt")
+    out = export_vllm(src, llama_target, tmp_path / "v")
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    assert config["model_type"] == "kimi_k2" and config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    assert {k: config[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                   "v_head_dim")} == {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                                                      "qk_rope_head_dim": 4, "v_head_dim": 8}
+    assert config["num_aux_hidden_states"] == 3 and config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    attn = "midlayer.self_attn."
+    assert tensor_names(out / "drafter") == {
+        "fc.weight", "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight", "norm.weight", "lm_head.weight",
+        "d2t", "t2d", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+        "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+        "midlayer.mlp.down_proj.weight", attn + "q_a_proj.weight", attn + "q_a_layernorm.weight",
+        attn + "q_b_proj.weight", attn + "kv_a_proj_with_mqa.weight", attn + "kv_a_layernorm.weight",
+        attn + "kv_b_proj.weight", attn + "o_proj.weight"}
+    assert read_drafter(out / "drafter").config.attention == "mla"  # read back by us too
 
 
 def test_sglang_refuses_norm_before_fc(cli, tmp_path, llama_info, llama_target):

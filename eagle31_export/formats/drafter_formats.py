@@ -353,6 +353,13 @@ class SpeculatorsFormat(DrafterFormat):
         ids = _ids(c.get("eagle_aux_hidden_state_layer_ids"))
         ids = before_layer_to_output(ids) if ids is not None else None
         fields = llama_fields(layer)
+        if layer.get("num_aux_hidden_states") is not None:
+            if c.get("num_aux_hidden_states") is None:
+                c = {**c, "num_aux_hidden_states": layer["num_aux_hidden_states"]}
+            elif _int(c, "num_aux_hidden_states") != _int(layer, "num_aux_hidden_states"):
+                raise CheckpointError(f"num_aux_hidden_states is {c['num_aux_hidden_states']} but "
+                                      f"transformer_layer_config.num_aux_hidden_states (what vLLM reads) is "
+                                      f"{layer['num_aux_hidden_states']}")
         if c.get("torch_dtype") or c.get("dtype"):
             fields["torch_dtype"] = _str(c, "torch_dtype", _str(c, "dtype", "bfloat16"))
         cfg = DrafterConfig(
@@ -367,12 +374,17 @@ class SpeculatorsFormat(DrafterFormat):
             norm_before_residual=_flag(c, "norm_before_residual"),
             extras={"speculators_config": c.get("speculators_config"), **runtime_extras(layer)},
         )
-        unknown = _unknown(c, self.known) + [f"transformer_layer_config.{k}" for k in _unknown(layer, LLAMA_KEYS)]
+        unknown = _unknown(c, self.known) + [f"transformer_layer_config.{k}"
+                                             for k in _unknown(layer, LLAMA_KEYS | {"num_aux_hidden_states"})]
         return cfg, unknown
 
     def write_config(self, cfg):
         layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **llama_keys(cfg)}
         layer.pop("torch_dtype")
+        # vLLM builds the drafter's model config from transformer_layer_config and copies only named
+        # top-level keys into it, not num_aux_hidden_states, which sizes fc: written here as well
+        # (docs/drafter-formats.md#speculators).
+        layer["num_aux_hidden_states"] = cfg.num_aux_hidden_states
         out = {
             "speculators_model_type": "eagle3",
             "architectures": ["Eagle3Speculator"],
@@ -613,6 +625,10 @@ def drafter_origin(c: dict[str, Any], fmt_name: str) -> str:
 # vLLM and SGLang name DeepSeek-style (MLA) Eagle3 drafters with this architecture.
 MLA_ARCHITECTURE_PATCH: dict[str, Any] = {"architectures": ["Eagle3DeepseekV2ForCausalLM"],
                                           "model_type": "deepseek_v3"}
+# vLLM (0.32.0) turns every draft config of model_type deepseek_v3 into its DeepSeek-MTP drafter
+# and then refuses the Eagle3 architecture; kimi_k2 maps to the same DeepseekV3Config there and is
+# left alone (docs/drafter-formats.md#mla-drafters-in-vllm).
+VLLM_MLA_ARCHITECTURE_PATCH: dict[str, Any] = {**MLA_ARCHITECTURE_PATCH, "model_type": "kimi_k2"}
 CONSUMERS = ("vllm", "sglang", "trtllm")
 
 
@@ -624,12 +640,13 @@ def consumer_layout(consumer: str, cfg: DrafterConfig) -> tuple[str, dict[str, A
       speculators layout;
     - SGLang: the SpecForge layout;
     - TensorRT-LLM: its own layout (architecture and MLA model_type already in it).
-    vLLM and SGLang get `MLA_ARCHITECTURE_PATCH` for MLA drafters.
+    MLA drafters get `VLLM_MLA_ARCHITECTURE_PATCH` (vLLM) or `MLA_ARCHITECTURE_PATCH` (SGLang).
     """
     mla_patch = dict(MLA_ARCHITECTURE_PATCH) if cfg.attention == "mla" else None
     if consumer == "vllm":
         eagle = FORMATS[EagleFormat.name]
-        return (eagle.name if eagle.holds(cfg) else SpeculatorsFormat.name), mla_patch
+        return ((eagle.name if eagle.holds(cfg) else SpeculatorsFormat.name),
+                dict(VLLM_MLA_ARCHITECTURE_PATCH) if cfg.attention == "mla" else None)
     if consumer == "sglang":
         return SpecForgeFormat.name, mla_patch
     if consumer == "trtllm":
