@@ -114,16 +114,25 @@ LATER_POSITIONS = "later drafts differ: fed-back state (pre- vs post-norm feedba
 
 
 def _position_symptom(ref: SpecResult, run: SpecResult) -> str | None:
-    """For a runtime that reports counts, not drafts: the first draft position whose accepted count
-    differs names the cause."""
-    ref_counts, run_counts = accepted_per_position(ref), accepted_per_position(run)
-    first = next((i for i, (a, b) in enumerate(zip(ref_counts, run_counts)) if a != b), None)
-    if first is None:
-        return None
-    where = f"draft position {first + 1} accepted in {run_counts[first]} rounds vs {ref_counts[first]}"
+    """For a runtime that reports counts, not drafts: the earliest draft position whose outcome differs
+    names the cause. Rounds at the same boundaries (replay) differ first at position min(a, b) + 1;
+    otherwise the per-position counts tell."""
+    if len(ref.accepted_per_step) == len(run.accepted_per_step):
+        differing = [(i, a, b) for i, (a, b) in enumerate(zip(ref.accepted_per_step, run.accepted_per_step)) if a != b]
+        if not differing:
+            return None
+        index, a, b = min(differing, key=lambda d: min(d[1], d[2]))
+        first = min(a, b)
+        where = f"round {index}: {b} drafts accepted vs {a}, so draft position {first + 1} differs"
+    else:
+        ref_counts, run_counts = accepted_per_position(ref), accepted_per_position(run)
+        first = next((i for i, (a, b) in enumerate(zip(ref_counts, run_counts)) if a != b), None)
+        if first is None:
+            return None
+        where = f"draft position {first + 1} accepted in {run_counts[first]} rounds vs {ref_counts[first]}"
     if first == 0:
         return f"{where}: {POSITION_1}"
-    return f"{where}, position 1 agrees: {LATER_POSITIONS}"
+    return f"{where}, position 1 never does: {LATER_POSITIONS}"
 
 
 def _symptom(ref: SpecResult, run: SpecResult, round_index: int | None, logits_diff: float | None,

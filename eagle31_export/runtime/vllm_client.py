@@ -134,9 +134,11 @@ class VllmClient:
                  stop_ids: tuple[int, ...] = ()) -> Completion:
         """One completion from token ids. Generation runs to `max_tokens` (or a stop id), as our own
         loop does: the model's EOS and the server's default sampling settings do not apply."""
+        # No top_k / min_p / repetition_penalty, not even at their neutral values: vLLM 0.32 then takes
+        # another sampling path, under which its CPU build accepted no drafts at all (docs/runtimes.md).
         body = {"model": self.model(), "prompt": list(prompt_ids), "max_tokens": max_tokens,
-                "temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                "seed": seed, "ignore_eos": True, "stop_token_ids": list(stop_ids), "return_token_ids": True}
+                "temperature": temperature, "seed": seed, "ignore_eos": True, "stop_token_ids": list(stop_ids),
+                "return_token_ids": True}
         try:
             answer = json.loads(self._request("/v1/completions", body))
         except (urllib.error.URLError, OSError) as err:

@@ -25,7 +25,12 @@ def drop_fc_norm(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:
 
 
 def shift_d2t(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:
-    """The draft-to-target vocabulary map off by one: every draft token lands on the next target id."""
+    """The draft-to-target vocabulary map off by one: draft id i lands on the target id of draft id
+    i + 1 (the same set of target ids, so t2d still agrees; the last wraps to the first)."""
+    import torch
+
     tensors = dict(ckpt.tensors)
-    tensors["d2t"] = tensors["d2t"] + 1
+    d2t = tensors["d2t"]
+    target_ids = torch.arange(len(d2t)) + d2t
+    tensors["d2t"] = torch.roll(target_ids, -1) - torch.arange(len(d2t))
     return DrafterCheckpoint(ckpt.config, tensors)
