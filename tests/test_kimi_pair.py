@@ -172,6 +172,24 @@ def test_quantize_is_bit_exact_with_modelopt_on_the_moe_target(tmp_path):
 
 # ---- the committed example through every command ---------------------------------------------
 
+def test_committed_example_has_the_mla_widths_vllm_cpu_runs():
+    """vLLM's CPU MLA backends (CPU_MLA, AMX_MLA: vllm/v1/attention/backends/mla/cpu_mla.py, amx_mla.py)
+    take only the published latent, kv_lora_rank 512 + qk_rope_head_dim 64 = 576, and AMX_MLA's packed
+    bf16 GEMMs want qk_nope_head_dim and v_head_dim in multiples of 32; target and both drafters have
+    them, in their configs and in the stored latent projections."""
+    for folder, prefix in ((TARGET, "model.layers.1.self_attn."), (TARGET_NVFP4, "model.layers.1.self_attn."),
+                           (DRAFTER, "layers.0.self_attn."), (DRAFTER3, "layers.0.self_attn.")):
+        cfg = json.loads((folder / "config.json").read_text())
+        assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64), folder.name
+        assert cfg["qk_nope_head_dim"] % 32 == 0 and cfg["v_head_dim"] % 32 == 0, folder.name
+        tensors = load_file(str(folder / "model.safetensors"))
+        heads = cfg["num_attention_heads"]
+        assert tensors[prefix + "kv_a_proj_with_mqa.weight"].shape[0] == 576, folder.name
+        assert tuple(tensors[prefix + "kv_b_proj.weight"].shape) == (
+            heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), 512), folder.name
+        assert tuple(tensors[prefix + "kv_a_layernorm.weight"].shape) == (512,), folder.name
+
+
 def test_committed_example_inspects_clean_with_max_positions_from_the_target(cli):
     for folder in (TARGET, TARGET_NVFP4):
         code, out, err = cli("inspect", folder, "--json")
@@ -205,7 +223,7 @@ def test_committed_example_exports(cli, tmp_path):
         assert any(n.domain == DOMAIN for n in graph.graph.node), role  # fused fc_norm / post-norm plugin nodes
     for kind in ("trtllm", "vllm", "sglang"):
         cfg = json.loads((tmp_path / kind / "drafter" / "config.json").read_text())
-        assert cfg["max_position_embeddings"] == 131072 and cfg["kv_lora_rank"] == 16, kind
+        assert cfg["max_position_embeddings"] == 131072 and cfg["kv_lora_rank"] == 512, kind  # vLLM CPU MLA: 512 + 64
     code, _, err = cli("export", "triton", "--bundle", tmp_path / "trtllm", "--out", tmp_path / "repo", "--flavor", "cpu")
     assert code == 0, err
 
@@ -214,6 +232,17 @@ def test_committed_example_exports(cli, tmp_path):
 def prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "kimi.jsonl"
     prompts = EmbeddedPair.open(MODELS).token_prompts()[:3]
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    return path
+
+
+@pytest.fixture(scope="module")
+def all_prompts_file(tmp_path_factory):
+    """The pair's 8 prompts. The drafter can lean on the token it is fed (the language is first-order
+    Markov), so a tap shifted by one layer moves its first-step logits (by ~0.5-1) but flips a greedy
+    draft only now and then: 3 prompts x 12 tokens saw none; these 8 x 32 see several."""
+    path = tmp_path_factory.mktemp("prompts") / "kimi-all.jsonl"
+    prompts = EmbeddedPair.open(MODELS).token_prompts()
     path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
     return path
 
@@ -258,10 +287,11 @@ def _sabotaged_export(tmp_path, bug):
     ("no_fc_norm", "first-step draft logits differ"),
     ("nvfp4_inverted", "the target's own first token differs: target weights or NVFP4 scales"),
 ])
-def test_sabotaged_exports_are_caught(cli, tmp_path, prompts_file, bug, symptom):
+def test_sabotaged_exports_are_caught(cli, tmp_path, prompts_file, all_prompts_file, bug, symptom):
     bundle = _sabotaged_export(tmp_path, bug)
+    prompts, tokens = (all_prompts_file, "32") if bug == "shifted_ids" else (prompts_file, "12")
     code, _, _ = cli("parity", bundle, "--drafter", DRAFTER, "--target", TARGET_NVFP4, "--runtime", "onnxruntime",
-                     "--prompts", prompts_file, "--depth", "3", "--max-new-tokens", "12", "--out", tmp_path / "r")
+                     "--prompts", prompts, "--depth", "3", "--max-new-tokens", tokens, "--out", tmp_path / "r")
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert code == 1 and report["passed"] is False
     assert any(symptom in f for f in report["failures"]), report["failures"]
@@ -323,9 +353,9 @@ def test_bad_moe_and_mla_input_is_one_line(cli, tmp_path):
         (DRAFTER, variant(TARGET_NVFP4, "q-fewer", {"n_routed_experts": 12}), "config.json gives it 12 routed experts"),
         (DRAFTER, variant(TARGET_NVFP4, "no-scale", drop="model.layers.2.mlp.experts.5.up_proj.weight_scale"),
          "model.layers.2.mlp.experts.5.up_proj.weight_scale is missing"),
-        (DRAFTER, variant(TARGET, "rank", {"kv_lora_rank": 8}), "kv_a_layernorm.weight: shape [16]"),
+        (DRAFTER, variant(TARGET, "rank", {"kv_lora_rank": 8}), "kv_a_layernorm.weight: shape [512]"),
         (DRAFTER, variant(TARGET, "moe-width", {"moe_intermediate_size": 48}), "(moe_intermediate_size"),
-        (variant(DRAFTER, "d-rank", {"kv_lora_rank": 8}), TARGET, "kv_a_proj_with_mqa.weight: shape [24, 128]"),
+        (variant(DRAFTER, "d-rank", {"kv_lora_rank": 8}), TARGET, "kv_a_proj_with_mqa.weight: shape [576, 128]"),
     ]
     for drafter, target, fragment in cases:
         code, _, err = cli("speculate", "--drafter", drafter, "--target", target, "--prompt-ids", "1,2,3",

@@ -80,10 +80,15 @@ PUBLISHED_DRAFTER = {
 
 # Sizes of the two shapes; every other key keeps its published value.
 SHAPES = {
-    # the committed example: a few MB
+    # the committed example: a few MB. The MLA latent keeps its published width, kv_lora_rank 512 +
+    # qk_rope_head_dim 64 = 576, the only one vLLM's CPU MLA backends take (CPU_MLA and AMX_MLA:
+    # get_supported_head_sizes() == [576], vllm/v1/attention/backends/mla/cpu_mla.py, amx_mla.py);
+    # qk_nope_head_dim and v_head_dim are multiples of 32, as AMX_MLA's packed bf16 GEMMs need them
+    # (convert_weight_packed: "invalid weight input features 16"; bmm_cpu: "tinygemm requires N to be
+    # 32x"). Two heads keep the latent projections (kv_b_proj: heads * 64 x 512) small.
     "example": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
-                    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4,
-                    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                    num_attention_heads=2, num_key_value_heads=2, n_routed_experts=16, num_experts_per_tok=4,
+                    q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
                     vocab_size=1024, drafter_intermediate_size=128),
     # every published dimension that fits one small machine: 61 layers (taps [1, 29, 57]), 384 experts,
     # top-8, the MLA ranks and head dims, the vocabulary; hidden sizes and head count scaled down
