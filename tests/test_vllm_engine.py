@@ -57,7 +57,8 @@ def parity(vllm, bundle, drafter, target=TARGET, **kw):
     args = {**PARITY, **kw}
     runtime_options = {"vllm": vllm, **args.pop("runtime_options", {})}
     return check_parity("vllm", Path(bundle) if bundle else None, Path(drafter), Path(target), args.pop("url", None),
-                        None, args.pop("depth"), args.pop("max_new_tokens"), runtime_options=runtime_options, **args)
+                        args.pop("prompts_file", None), args.pop("depth"), args.pop("max_new_tokens"),
+                        runtime_options=runtime_options, **args)
 
 
 def cli(*argv, timeout=900):
@@ -181,16 +182,32 @@ def test_broken_bundles_fail_on_vllm_with_their_symptom(vllm, tmp_path, sources,
         assert any(POSITION_1 in s for s in symptoms), symptoms
 
 
-def test_kimi_mla_pair_runs_on_vllm(vllm, tmp_path, sources):
+def test_kimi_mla_pair_runs_on_vllm(vllm, tmp_path, kimi_prompts):
     """The flagship shape: the `eagle3.1-mla` drafter exported by `export vllm` with no hand edit, over
-    the DeepSeek-V3 MoE target at the published MLA widths; dropping norm_output fails."""
+    the DeepSeek-V3 MoE target at the published MLA widths. vLLM's CPU MoE kernels take bf16/fp16
+    weights only (docs/runtimes.md), so the engine computes in bf16 and parity applies its statistical
+    rule; dropping norm_output fails it."""
     drafter, target = KIMI / "drafter-eagle31", KIMI / "target"
-    report = parity(vllm, bundle_of(tmp_path, drafter, target=target), drafter, target=target)
-    assert_exact_pass(report)
+    bf16 = {"dtype": torch.bfloat16}
+    report = parity(vllm, bundle_of(tmp_path, drafter, target=target), drafter, target=target,
+                    prompts_file=kimi_prompts, runtime_options=bf16)
+    assert report.passed, report.failures
+    assert not report.exact and "statistical" in report.compared
+    assert report.tau("runtime") > 2.5  # the trained drafter drafts well on vLLM too
     broken = write_drafter(pre_norm_feedback(read_drafter(drafter)), tmp_path / "kimi-no-norm-output", "modelopt")
-    bad = parity(vllm, bundle_of(tmp_path, broken, target=target), drafter, target=target)
-    assert not bad.passed
-    assert all(LATER_POSITIONS in r.symptom for r in bad.rows if not r.accepted_identical)
+    bad = parity(vllm, bundle_of(tmp_path, broken, target=target), drafter, target=target,
+                 prompts_file=kimi_prompts, runtime_options=bf16)
+    assert not bad.passed and bad.tau("runtime") < 0.9 * bad.tau("reference")
+    assert all(LATER_POSITIONS in r.symptom for r in bad.rows if not r.accepted_identical and r.tokens_identical)
+
+
+@pytest.fixture(scope="module")
+def kimi_prompts(tmp_path_factory) -> Path:
+    """The example's held-out prompts as a parity prompts file."""
+    ids = json.loads((KIMI / "prompts.json").read_text())["prompt_ids"]
+    path = tmp_path_factory.mktemp("kimi-prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ids))
+    return path
 
 
 def _free_port() -> int:

@@ -5,7 +5,8 @@ Pass rules (defaults in `Thresholds`):
   difference is a runtime bug, not noise);
 - fp32 runtime, greedy: every round's drafts and `accepted_per_step` identical too (a random or
   weak drafter accepts little, so drafts are where a drafter-side bug shows first);
-- fp16/bf16 runtime, greedy: mean tau within `tau_rel_tol` of the reference;
+- fp16/bf16 runtime, greedy: mean tau within `tau_rel_tol` of the reference (statistical: rounding
+  may turn a near-tie, so differing tokens are counted in the report, not failed on);
 - sampling: per-position acceptance rates within a binomial confidence bound.
 Each failure is named by its symptom, which points at the usual cause.
 """
@@ -88,7 +89,8 @@ class ParityReport:
                                                       " and per position (the runtime reports no drafts)")
         if self.exact:
             return f"{seen}: identical (fp32, exact)"
-        return f"tokens identical; mean tau within {self.thresholds.tau_rel_tol:.0%} (half precision: statistical)"
+        return (f"mean tau within {self.thresholds.tau_rel_tol:.0%}; prompts with differing tokens counted, not "
+                "failed (half precision: statistical)")
 
     def tau(self, side: str) -> float:
         values = [getattr(r, f"tau_{side}") for r in self.rows]
@@ -318,11 +320,13 @@ def _failures(report: ParityReport) -> list[str]:
     out = []
     if report.temperature == 0:
         for row in report.rows:
+            if not report.exact:
+                continue  # half precision: the tau rule below decides
             if not row.tokens_identical:
                 out.append(f"prompt {row.prompt_index}: generated tokens differ ({row.symptom})")
-            elif report.exact and not row.accepted_identical:
+            elif not row.accepted_identical:
                 out.append(f"prompt {row.prompt_index}: accepted_per_step differs ({row.symptom})")
-            elif report.exact and row.drafts_reported and not row.drafts_identical:
+            elif row.drafts_reported and not row.drafts_identical:
                 out.append(f"prompt {row.prompt_index}: drafts differ from round {row.first_divergent_round} "
                            f"({row.symptom})")
         if not report.exact:
