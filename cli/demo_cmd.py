@@ -61,6 +61,14 @@ def _render(console: Console, result) -> None:
     verdict = "[green]PASS[/]" if parity.passed else "[red]FAIL[/]"
     console.print(f"parity, ONNX Runtime vs PyTorch reference (EAGLE 3.1, depth 3, {len(parity.rows)} prompts): "
                   f"{verdict}, tau {parity.tau('reference'):.3f} vs {parity.tau('runtime'):.3f}")
+    vllm = result.vllm
+    if isinstance(vllm, str):
+        console.print(f"parity, vLLM vs PyTorch reference: {vllm}")
+    else:
+        verdict = "[green]PASS[/]" if vllm.passed else "[red]FAIL[/]"
+        console.print(f"parity, vLLM (a real engine) vs PyTorch reference (EAGLE 3.1, depth 3, {len(vllm.rows)} "
+                      f"prompts, {'fp32: exact' if vllm.exact else 'bf16: statistical'}): {verdict}, tau "
+                      f"{vllm.tau('reference'):.3f} vs {vllm.tau('runtime'):.3f}")
     console.print(_by_depth_table("acceptance length tau by draft depth (greedy)", DEPTHS,
                                   {key: [by_depth[d] for d in DEPTHS] for key, by_depth in result.taus.items()}))
     console.print(_by_depth_table("teacher-forced agreement by draft position (on held-out real text where the "

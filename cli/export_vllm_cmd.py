@@ -26,9 +26,9 @@ def vllm(
     runtime_version: RuntimeVersionOpt = None,
     layout: Annotated[str, typer.Option("--layout", help="Drafter layout: auto (the EAGLE layout where it holds the drafter) or speculators.")] = "auto",
 ) -> None:
-    """Drafter for vLLM's eagle3 method (before-layer tap numbering) + README with `vllm serve`."""
+    """Drafter for vLLM's eagle3 method (before-layer tap numbering) + README with the server command."""
     from eagle31_export.export.vllm import export_vllm
 
     with working("export vllm"):
         path = export_vllm(drafter, target, out, tp, pp, k, copy_target, force, runtime_version, layout)
-    typer.echo(f"vLLM bundle written to {path} (see {path / 'README.md'} for the vllm serve command)")
+    typer.echo(f"vLLM bundle written to {path} (see {path / 'README.md'} for the vLLM server command)")

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 
 
 def test_demo_writes_every_artifact_and_a_passing_parity_report(cli, tmp_path):
@@ -11,6 +12,12 @@ def test_demo_writes_every_artifact_and_a_passing_parity_report(cli, tmp_path):
     for folder in ("onnx", "trtllm", "vllm", "sglang", "triton-cpu", "triton-trtllm", "parity"):
         assert (out / folder).is_dir(), folder
     assert json.loads((out / "parity" / "report.json").read_text())["passed"] is True
+    if os.environ.get("EAGLE31_VLLM"):  # `make test`: the demo also runs parity on a real vLLM engine
+        vllm = json.loads((out / "parity-vllm" / "report.json").read_text())
+        assert vllm["passed"] is True and vllm["runtime"] == "vllm" and vllm["exact_comparison"] is True
+        assert "parity, vLLM (a real engine) vs PyTorch reference" in stdout and "PASS" in stdout
+    else:
+        assert "parity, vLLM vs PyTorch reference: skipped: no vLLM found" in " ".join(stdout.split())
     for png in ("tau_by_depth.png", "parity/acceptance_by_position.png", "parity/tau_vs_context.png"):
         assert (out / png).stat().st_size > 5000, png
     rows = {(r["target"], r["drafter"]): r for r in json.loads((out / "tau.json").read_text())}

@@ -23,7 +23,7 @@ from eagle31_export.runtime.registry import PairSource, load_speculator
 DEPTHS = range(1, 7)
 PROMPTS = 8
 NEW_TOKENS = 32
-STEPS = 6  # progress units: inspect, exports, parity, and one per measured (target, drafter)
+STEPS = 7  # progress units: inspect, exports, parity, vLLM, and one per measured (target, drafter)
 
 
 @dataclass
@@ -32,6 +32,7 @@ class DemoResult:
     reports: dict
     exports: dict[str, str]
     parity: ParityReport
+    vllm: ParityReport | str  # parity against a real vLLM engine, or why it did not run
     taus: dict[tuple[str, str], dict[int, float]]
     agreement: dict[tuple[str, str], list[float]]
 
@@ -56,6 +57,10 @@ def run_demo(out: Path, pair_dir: Path, force: bool = True,
         parity = run_parity(reference, ort, pair.mixed_length_prompts(), 3, NEW_TOKENS)
         write_report(parity, tmp / "parity")
         advance("parity", 1)
+        vllm = _vllm_parity(reference, drafter31, pair.target, tmp / "vllm", pair.mixed_length_prompts())
+        if isinstance(vllm, ParityReport):
+            write_report(vllm, tmp / "parity-vllm")
+        advance("vLLM", 1)
         taus, agreement = {}, {}
         windows = pair.agreement_windows(256 + max(DEPTHS))
         for target in (TARGET, TARGET_NVFP4):
@@ -69,7 +74,26 @@ def run_demo(out: Path, pair_dir: Path, force: bool = True,
                                                   for (t, d), v in taus.items()], indent=2) + "\n")
         _plot_taus(taus, tmp / "tau_by_depth.png",
                    f"{pair.name} pair, {'held-out text' if pair.has_text else 'its prompts'}, greedy")
-    return DemoResult(out, reports, exports, parity, taus, agreement)
+    return DemoResult(out, reports, exports, parity, vllm, taus, agreement)
+
+
+def _vllm_parity(reference, drafter: Path, target: Path, bundle: Path, prompts) -> ParityReport | str:
+    """Parity against a real vLLM engine over the `export vllm` bundle, where a vLLM environment is
+    found ($EAGLE31_VLLM, or this one); else why not. vLLM's CPU MoE kernels take no fp32 weights, so
+    an MoE target runs in bf16 (docs/runtimes.md, "--runtime vllm")."""
+    import torch
+
+    from eagle31_export.runtime.registry import LoadOptions
+    from eagle31_export.runtime.vllm_engine import find_vllm
+
+    try:
+        find_vllm()
+    except MissingRuntimeError as err:
+        return f"skipped: {err}"
+    config = json.loads((target / "config.json").read_text())
+    dtype = torch.bfloat16 if config.get("n_routed_experts") else torch.float32
+    with load_speculator("vllm", PairSource.of(drafter, target, bundle), LoadOptions(dtype=dtype, depth=3)) as vllm:
+        return run_parity(reference, vllm, prompts, 3, NEW_TOKENS)
 
 
 def _exports(drafter: Path, target: Path, tmp: Path) -> dict[str, str]:
