@@ -1,4 +1,4 @@
-"""`eagle31-export speculate`: run the speculation loop (PyTorch reference or ONNX Runtime) and print tokens and statistics."""
+"""`eagle31-export speculate`: run the speculation loop on a runtime (reference, ONNX Runtime, Triton, vLLM) and print tokens and statistics."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def speculate(
     port: PortOpt = None,
     engine_timeout: EngineTimeoutOpt = 600.0,
 ) -> None:
-    """Chain speculative decoding (PyTorch reference or exported ONNX graphs); prints tokens and acceptance statistics."""
+    """Chain speculative decoding (PyTorch reference, exported ONNX graphs, a Triton or vLLM server); prints tokens and acceptance statistics."""
     from eagle31_export.formats.tokenizer import load_tokenizer
     from eagle31_export.reference.speculate import ProgressObserver
     from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator, resolve_device
