@@ -24,6 +24,7 @@ from eagle31_export.errors import UserError
 from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
 from eagle31_export.progress import Phases
 from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
+from eagle31_export.reference.statistics import accepted_per_position
 from eagle31_export.runtime.registry import Speculator
 
 
@@ -55,7 +56,6 @@ class PromptRow:
     # rounds whose draft at position i+1 was accepted (the counters vLLM keeps)
     accepted_per_position_reference: list[int] = field(default_factory=list)
     accepted_per_position_runtime: list[int] = field(default_factory=list)
-    drafts_reported: bool = True  # False: the runtime returns no drafts (vLLM); drafts_identical is not a finding
 
 
 @dataclass
@@ -105,9 +105,8 @@ class ParityReport:
                 "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth, "timings": self.timings}
 
 
-def accepted_per_position(result: SpecResult) -> list[int]:
-    """Rounds whose draft at position i+1 was accepted (a chain accepts a prefix of its drafts)."""
-    return [sum(a > i for a in result.accepted_per_step) for i in range(result.depth)]
+def _counts(result: SpecResult) -> list[int]:
+    return accepted_per_position(result.accepted_per_step, result.depth)
 
 
 POSITION_1 = ("what the first draft step reads differs: tapped layers, fc or fc_norm (check aux layer numbering "
@@ -127,7 +126,7 @@ def _position_symptom(ref: SpecResult, run: SpecResult) -> str | None:
         first = min(a, b)
         where = f"round {index}: {b} drafts accepted vs {a}, so draft position {first + 1} differs"
     else:
-        ref_counts, run_counts = accepted_per_position(ref), accepted_per_position(run)
+        ref_counts, run_counts = _counts(ref), _counts(run)
         first = next((i for i, (a, b) in enumerate(zip(ref_counts, run_counts)) if a != b), None)
         if first is None:
             return None
@@ -192,8 +191,7 @@ def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResu
         per_position_runtime=run.per_position_acceptance, rounds_reference=len(ref.accepted_per_step),
         rounds_runtime=len(run.accepted_per_step),
         symptom=_symptom(ref, run, divergent, logits_diff, logits_atol, drafts_reported),
-        accepted_per_position_reference=accepted_per_position(ref),
-        accepted_per_position_runtime=accepted_per_position(run), drafts_reported=drafts_reported,
+        accepted_per_position_reference=_counts(ref), accepted_per_position_runtime=_counts(run),
     )
 
 
@@ -217,7 +215,7 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
         raise UserError("replay parity compares greedy runs of a reference pair; use --mode autoregressive")
     exact = runtime.exact if exact is None else exact
     report = ParityReport(runtime.name, depth, temperature, exact, thresholds, mode,
-                          drafts_reported=getattr(runtime, "reports_drafts", True))
+                          drafts_reported=runtime.reports_drafts)
     with phases.phase("compare", total=len(prompts)):
         _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens, temperature, seed, exact,
                          thresholds, mode, on_prompt, phases)
@@ -326,7 +324,7 @@ def _failures(report: ParityReport) -> list[str]:
                 out.append(f"prompt {row.prompt_index}: generated tokens differ ({row.symptom})")
             elif not row.accepted_identical:
                 out.append(f"prompt {row.prompt_index}: accepted_per_step differs ({row.symptom})")
-            elif row.drafts_reported and not row.drafts_identical:
+            elif report.drafts_reported and not row.drafts_identical:
                 out.append(f"prompt {row.prompt_index}: drafts differ from round {row.first_divergent_round} "
                            f"({row.symptom})")
         if not report.exact:

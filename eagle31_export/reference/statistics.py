@@ -16,9 +16,14 @@ def acceptance_length(accepted_total: int, rounds: int) -> float:
     return 1.0 + accepted_total / rounds if rounds else 0.0
 
 
+def accepted_per_position(accepted_per_step: list[int], depth: int) -> list[int]:
+    """Rounds whose draft at position i+1 was accepted (a chain accepts a prefix of its drafts)."""
+    return [sum(a >= i for a in accepted_per_step) for i in range(1, depth + 1)]
+
+
 def per_position_acceptance(accepted_per_step: list[int], depth: int) -> list[float]:
     rounds = max(len(accepted_per_step), 1)
-    return [sum(a >= i for a in accepted_per_step) / rounds for i in range(1, depth + 1)]
+    return [count / rounds for count in accepted_per_position(accepted_per_step, depth)]
 
 
 def rounds_from_counts(output_tokens: int, accepted_total: int) -> int:
