@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eagle31_export.config import DrafterConfig, MlaConfig, TargetInfo
@@ -122,3 +123,10 @@ def assert_ttt_matches_inference(drafter, taps: torch.Tensor, x: torch.Tensor, u
                 step = drafter(x[:, anchor + 1 + k:anchor + 2 + k], torch.tensor([[anchor + k]]),
                                step.fed_back[:, -1:], cache, False)
                 torch.testing.assert_close(step.logits[0, -1], ttt[k][0, anchor], rtol=1e-9, atol=1e-9)
+
+
+def without_padding(feeds: dict) -> dict:
+    """A graph call's feeds with the `attention_mask` of a call without padding: every cached and new
+    key of every row is real (batched calls with padding: runtime/onnxruntime.py `run_batch`)."""
+    ids, past = feeds["input_ids"], feeds["past_key_0"].shape[2]
+    return {**feeds, "attention_mask": np.ones((ids.shape[0], past + ids.shape[1]), np.int64)}

@@ -17,7 +17,7 @@ from onnx.reference import ReferenceEvaluator
 from eagle31_export.export import onnx_plugins as P
 from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
 from eagle31_export.export.onnx_graph import OPSET, ExternalWeights, GraphBuilder
-from factories import drafter_config_for, random_drafter
+from factories import drafter_config_for, random_drafter, without_padding
 from eagle31_export.formats.drafter import read_drafter, write_drafter
 from eagle31_export.formats.target import load_causal_lm
 from eagle31_export.reference.attention import KVCache
@@ -43,7 +43,7 @@ def graphs(folder):
 def run_ort(path, feeds):
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, feeds)))
+    return dict(zip(names, session.run(names, without_padding(feeds))))
 
 
 def empty_past(layers, heads, key_dim, value_dim, dtype=np.float32):
@@ -243,7 +243,7 @@ def test_bf16_graphs_run_in_the_onnx_reference_evaluator(tmp_path, eagle31_dir, 
     feeds = {"input_ids": ids.numpy(), "position_ids": positions.numpy(),
              "aux_hidden_states": aux.float().numpy().astype(ml_dtypes.bfloat16),
              **empty_past(1, 2, 16, 16, ml_dtypes.bfloat16)}
-    logits = evaluator.run(["logits"], feeds)[0]
+    logits = evaluator.run(["logits"], without_padding(feeds))[0]
     assert logits.dtype == ml_dtypes.bfloat16
     np.testing.assert_allclose(logits.astype(np.float32), want.logits.float().numpy(), atol=0.1)
     assert (logits.astype(np.float32).argmax(-1) == want.logits.float().argmax(-1).numpy()).mean() > 0.6
@@ -256,7 +256,7 @@ def test_graphs_json_describes_every_graph(export_dir):
     assert meta["opset"] == OPSET and meta["dtype"] == "fp32" and meta["plugins"]["plugin_namespace"] == "eagle31"
     first = meta["drafter"]["graphs"]["first"]
     assert [i["name"] for i in first["inputs"]] == ["input_ids", "position_ids", "aux_hidden_states",
-                                                    "past_key_0", "past_value_0"]
+                                                    "past_key_0", "past_value_0", "attention_mask"]
     assert first["inputs"][2]["shape"] == ["batch", "sequence", 192]
     assert [o["name"] for o in first["outputs"]][:3] == ["logits", "target_token_ids", "fed_back_hidden"]
     assert meta["drafter"]["graphs"]["chain"]["depth"] == 3

@@ -20,7 +20,7 @@ from eagle31_export.formats.target import load_causal_lm, read_target_info
 from eagle31_export.reference.attention import KVCache
 from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.runtime.onnxruntime import OnnxExport
-from factories import drafter_config_for, make_target, random_drafter
+from factories import drafter_config_for, make_target, random_drafter, without_padding
 
 LAYERS = 4
 BF16, FLOAT = TensorProto.BFLOAT16, TensorProto.FLOAT
@@ -103,8 +103,8 @@ def test_the_drafter_reads_the_targets_embedding_and_lm_head(pair):
 
 def _feeds(cfg, ids, positions, aux):
     past = np.zeros((1, cfg.num_key_value_heads, 0, cfg.head_dim), np.float32)
-    return {"input_ids": ids.numpy(), "position_ids": positions.numpy(), "aux_hidden_states": aux.numpy(),
-            **{f"past_{kv}_{i}": past for i in range(cfg.num_layers) for kv in ("key", "value")}}
+    return without_padding({"input_ids": ids.numpy(), "position_ids": positions.numpy(), "aux_hidden_states": aux.numpy(),
+                            **{f"past_{kv}_{i}": past for i in range(cfg.num_layers) for kv in ("key", "value")}})
 
 
 def _run(export_dir, file, feeds):
@@ -130,7 +130,7 @@ def test_outputs_equal_the_fp32_stored_graphs_and_the_reference(pair):
     np.testing.assert_allclose(got["logits"], want.logits.numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(got["fed_back_hidden"], want.fed_back.numpy(), atol=1e-4, rtol=0)
     kv = {f"past_{k}_{i}": np.zeros((1, 2, 0, 16), np.float32) for i in range(LAYERS) for k in ("key", "value")}
-    target_feeds = {"input_ids": ids.numpy(), "position_ids": positions.numpy(), **kv}
+    target_feeds = without_padding({"input_ids": ids.numpy(), "position_ids": positions.numpy(), **kv})
     got, was = _run(pair["onnx"], "target.onnx", target_feeds), _run(pair["onnx32"], "target.onnx", target_feeds)
     for name in ("logits", "aux_hidden_states", "present_value_3"):
         np.testing.assert_allclose(got[name], was[name], atol=1e-6, rtol=0)
@@ -196,7 +196,7 @@ def test_each_weight_is_widened_just_before_its_matmul(pair, tmp_path):
     session = ort.InferenceSession(str(pair["onnx"] / "target.onnx"), opts, providers=["CPUExecutionProvider"],
                                    disabled_optimizers=["ConstantFolding"])
     kv = {f"past_{k}_{i}": np.zeros((1, 2, 0, 16), np.float32) for i in range(LAYERS) for k in ("key", "value")}
-    session.run(None, {"input_ids": np.array([[1, 2, 3]]), "position_ids": np.array([[0, 1, 2]]), **kv})
+    session.run(None, without_padding({"input_ids": np.array([[1, 2, 3]]), "position_ids": np.array([[0, 1, 2]]), **kv}))
     events = json.loads(open(session.end_profiling()).read())
     order = [e["name"][:-len("_kernel_time")] for e in events
              if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]

@@ -241,3 +241,54 @@ def test_cli_bad_input_is_one_line_and_exit_2(cli, tmp_path, pairs, args, messag
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+# ---- batching: several sequences in one call -----------------------------------------------------
+
+def _prefilled(backend, ids):
+    seq = backend.fork()
+    seq.forward(torch.tensor([ids]))
+    return seq
+
+
+def test_a_padded_batch_gives_each_sequence_its_own_outputs(pairs):
+    """Two sequences with different cache lengths (5, 2) and new-token counts (3, 1) in one target call,
+    padded and masked, give what each gives alone, and each cache keeps only its own entries."""
+    _, _, onnx_dir = pairs["fp32", True]
+    target, _ = load_backends(onnx_dir)
+    histories, new = ([1, 5, 9, 13, 2], [200, 3]), ([7, 8, 9], [4])
+    alone = []
+    for history, ids in zip(histories, new):
+        seq = _prefilled(target, history)
+        alone.append((seq.forward(torch.tensor([ids])), seq.cache))
+    batch = [_prefilled(target, history) for history in histories]
+    together = target.forward_batch([(seq, torch.tensor([ids])) for seq, ids in zip(batch, new)])
+    for seq, ids, got, ((want_logits, want_taps), want_cache) in zip(batch, new, together, alone):
+        assert got[0].shape == want_logits.shape == (1, len(ids), 256)
+        torch.testing.assert_close(got[0], want_logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[1], want_taps, atol=1e-5, rtol=0)
+        assert seq.length == want_cache.length
+        for k, want_k in zip(seq.cache.keys, want_cache.keys):
+            torch.testing.assert_close(torch.from_numpy(k), torch.from_numpy(want_k), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["steps", "chain"])
+def test_concurrent_requests_are_batched_and_give_the_one_at_a_time_results(pairs, chain):
+    """Six prompts of different lengths, four in flight at a time (greedy, then sampling with a seed
+    per prompt): every backend call of the batched run served several sequences at once somewhere,
+    and every prompt's tokens, drafts and rounds equal its run alone."""
+    from eagle31_export.runtime.batching import BatchingSpeculator
+
+    _, _, onnx_dir = pairs["fp32", True]
+    speculator = BatchingSpeculator("onnxruntime", *load_backends(onnx_dir, chain=chain))
+    prompts = [list(PROMPTS[i % 3][: 2 + i % 3]) + [i] for i in range(6)]
+    for temperature in (0.0, 0.8):
+        speculator.batcher.batch_sizes.clear()
+        alone = speculator.run_concurrently(prompts, 20, 4, 1, temperature, seed=5).results
+        assert max(speculator.batcher.batch_sizes) == 1
+        speculator.batcher.batch_sizes.clear()
+        together = speculator.run_concurrently(prompts, 20, 4, 4, temperature, seed=5).results
+        assert max(speculator.batcher.batch_sizes) > 1
+        for a, b in zip(alone, together, strict=True):
+            assert (b.tokens, b.drafts, b.accepted_per_step) == (a.tokens, a.drafts, a.accepted_per_step)
+        assert sum(sum(r.accepted_per_step) for r in alone) > 0

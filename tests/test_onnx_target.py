@@ -13,7 +13,7 @@ from onnx.reference import ReferenceEvaluator
 
 from eagle31_export.export import onnx_nvfp4 as Q
 from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
-from factories import drafter_config_for, make_target, random_drafter
+from factories import drafter_config_for, make_target, random_drafter, without_padding
 from eagle31_export.formats.drafter import write_drafter
 from eagle31_export.formats.target import load_causal_lm, read_target_info
 from eagle31_export.reference.target import ReferenceTarget
@@ -28,7 +28,8 @@ def export_pair(tmp, target, options=OnnxExportOptions()):
 
 
 def target_feeds(ids, start, past):
-    return {"input_ids": ids.numpy(), "position_ids": np.arange(start, start + ids.shape[1])[None], **past}
+    return without_padding({"input_ids": ids.numpy(), "position_ids": np.arange(start, start + ids.shape[1])[None],
+                            **past})
 
 
 def empty_past(layers=LAYERS, kv_heads=2, head_dim=16):

@@ -3,7 +3,9 @@
 Three graphs, all sharing one external weights file:
 
 - `drafter_first`: the first step of a round. Inputs `input_ids` [B, T], `position_ids` [B, T],
-  `aux_hidden_states` [B, T, k*Ht] (the target's tapped states) and the past KV cache.
+  `aux_hidden_states` [B, T, k*Ht] (the target's tapped states), the past KV cache and
+  `attention_mask` [B, P+T] (1: a real key; 0: padding, so sequences of different lengths share a
+  call: `onnx_layers.attention_bias`).
 - `drafter_next`: steps 2..n. Same, but `hidden_states` [B, T, H] (the drafter's own fed-back
   state) replaces the tapped states and no fc is applied.
 - `drafter_chain` (with `chain_depth`): the first step plus n-1 fed-back steps unrolled, greedy
@@ -18,6 +20,8 @@ Step outputs: `logits` [B, T, Vd], `target_token_ids` [B, T] (argmax mapped thro
 `draft_logits` [B, n, Vd] and `draft_token_ids` [B, n] for the last position of every step, and the
 cache after the FIRST step only: the speculation loop cuts the drafter cache back to the
 committed positions after each round, so the n-1 speculative entries never leave the graph.
+The chain continues from each sequence's LAST position, so the sequences of one batched chain call
+carry the same number of new tokens (no right padding; their caches may still be left-padded).
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ class DrafterGraphWriter:
         ids, positions = self._id_inputs(g)
         hidden = self._hidden_input(g, hidden_is_aux)
         past = self._past_inputs(g)
-        out = self._step(g, ids, positions, hidden, hidden_is_aux, past)
+        out = self._step(g, ids, positions, hidden, hidden_is_aux, past, self._mask_input(g))
         with g.scope("outputs"):
             token_ids = self._to_target_ids(g, g.op("ArgMax", out.logits, axis=-1, keepdims=0))
         g.output(out.logits, "logits", self.elem, [B, T, self.cfg.draft_vocab_size])
@@ -111,8 +115,9 @@ class DrafterGraphWriter:
         ids, positions = self._id_inputs(g)
         aux = self._hidden_input(g, True)
         past = self._past_inputs(g)
+        mask = self._mask_input(g)
         with g.scope("step1"):
-            first = self._step(g, ids, positions, aux, True, past)
+            first = self._step(g, ids, positions, aux, True, past, mask)
             logits, token = self._last_greedy(g, first.logits)
             position = g.op("Slice", positions, g.const([-1]), g.const([2**62]), g.const([1]))
             hidden = g.op("Slice", first.fed_back, g.const([-1]), g.const([2**62]), g.const([1]))
@@ -120,7 +125,8 @@ class DrafterGraphWriter:
         for i in range(2, depth + 1):
             with g.scope(f"step{i}"):
                 position = g.op("Add", position, g.const(1))
-                out = self._step(g, token, position, hidden, False, kv)
+                mask = L.extend_attention_mask(g, mask)
+                out = self._step(g, token, position, hidden, False, kv, mask)
                 logits, token = self._last_greedy(g, out.logits)
                 hidden, kv = out.fed_back, out.presents
             all_logits.append(logits)
@@ -151,6 +157,9 @@ class DrafterGraphWriter:
         heads, kd, vd = self.kv_dims()
         return [(g.input(f"past_key_{i}", self.elem, [B, heads, PAST, kd]),
                  g.input(f"past_value_{i}", self.elem, [B, heads, PAST, vd])) for i in range(self.cfg.num_layers)]
+
+    def _mask_input(self, g: GraphBuilder) -> str:
+        return g.input("attention_mask", INT64, [B, PRESENT])
 
     def _present_outputs(self, g: GraphBuilder, presents: list[tuple[str, str]]) -> None:
         heads, kd, vd = self.kv_dims()
@@ -219,7 +228,7 @@ class DrafterGraphWriter:
         return P.fc_norm(g, sources, folded, cfg.rms_norm_eps, has_norm=norm_names is not None)
 
     def _step(self, g: GraphBuilder, ids: str, positions: str, hidden: str, hidden_is_aux: bool,
-              past: list[tuple[str, str]]) -> StepValues:
+              past: list[tuple[str, str]], attention_mask: str) -> StepValues:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         if hidden_is_aux:
             with g.scope("fc"):
@@ -227,7 +236,7 @@ class DrafterGraphWriter:
         else:
             g_state = hidden
         x = g.embedding("embed_tokens.weight", ids=ids, compute=self.dtype, **self._matrix("embed_tokens.weight", False))
-        mask = L.causal_mask(g, L.past_len(g, past[0][0]), L.seq_len(g, ids))
+        mask = L.attention_bias(g, L.past_len(g, past[0][0]), L.seq_len(g, ids), attention_mask)
         cos, sin = self._rope(g, positions)
         presents = []
         for i in range(cfg.num_layers):

@@ -74,6 +74,29 @@ def causal_mask(g: GraphBuilder, past: str, new: str) -> str:
         return g.op("Where", allowed, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
 
 
+def attention_bias(g: GraphBuilder, past: str, new: str, attention_mask: str) -> str:
+    """Additive fp32 mask [B, 1, T, P+T]: the causal mask, and per sequence the keys its
+    `attention_mask` [B, P+T] marks 0 hidden.
+
+    0 marks padding, which is what lets sequences of different lengths share one call: each
+    sequence's cache is left-padded to the longest (its real keys end at P) and its new tokens
+    right-padded (they start at P). A padding query row still sees its sequence's first new key, so
+    no row is all -inf; its outputs are dropped by the caller.
+    """
+    with g.scope("attention_bias"):
+        causal = causal_mask(g, past, new)
+        padding = g.op("Where", g.op("Equal", attention_mask, g.const(0)), g.const(-np.inf, np.float32),
+                       g.const(0.0, np.float32))
+        return g.op("Add", causal, g.op("Unsqueeze", padding, g.const([1, 2])))
+
+
+def extend_attention_mask(g: GraphBuilder, attention_mask: str) -> str:
+    """`attention_mask` [B, K] -> [B, K+1] with the new key marked real (a chain's next step)."""
+    batch = g.op("Shape", attention_mask, start=0, end=1)
+    ones = g.op("Expand", g.const([[1]]), g.op("Concat", batch, g.const([1]), axis=0))
+    return g.op("Concat", attention_mask, ones, axis=1)
+
+
 def rope_tables(g: GraphBuilder, cos_table: str, sin_table: str, positions: str) -> tuple[str, str]:
     """Gather cos/sin rows [max_pos, dim] by position ids [B, T] -> [B, 1, T, dim] (broadcast over heads).
 
@@ -107,7 +130,8 @@ def merge_heads(g: GraphBuilder, x: str, heads: int, dim: int) -> str:
 
 def attention(g: GraphBuilder, q: str, k: str, v: str, mask: str, heads: int, kv_heads: int,
               qk_dim: int, v_dim: int, scale: float | None = None) -> str:
-    """Causal (grouped-query) attention over the whole cache; returns [B, T, heads*v_dim].
+    """Causal (grouped-query) attention over the whole cache; returns [B, T, heads*v_dim]. `mask`:
+    the additive [B, 1, T, P+T] of `attention_bias`.
 
     Query heads are grouped per KV head ([B, kv, rep*T, dim]) instead of repeating K/V: the same
     result as `repeat_interleave` + SDPA without materialising repeated keys. Scores are
@@ -121,7 +145,7 @@ def attention(g: GraphBuilder, q: str, k: str, v: str, mask: str, heads: int, kv
         grouped = g.op("Reshape", q, g.const([0, kv_heads, -1, qk_dim])) if rep > 1 else q
         scores = g.op("MatMul", grouped, g.op("Transpose", k, perm=[0, 1, 3, 2]))
         scores = g.op("Mul", g.op("Cast", scores, to=FLOAT), g.const(scale, np.float32))
-        full_mask = g.op("Tile", mask, g.const([rep, 1])) if rep > 1 else mask
+        full_mask = g.op("Tile", mask, g.const([1, 1, rep, 1])) if rep > 1 else mask
         probs = g.op("CastLike", g.op("Softmax", g.op("Add", scores, full_mask), axis=-1), q)
         out = g.op("MatMul", probs, v)
         if rep > 1:

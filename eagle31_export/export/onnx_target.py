@@ -1,7 +1,8 @@
 """Target graph: a transformers causal LM (Llama, Mistral, Qwen2, Qwen3) with taps and KV cache.
 
-Inputs `input_ids` [B, T], `position_ids` [B, T], `past_key_i` / `past_value_i` [B, kv, P, hd];
-outputs `logits` [B, T, V], `aux_hidden_states` [B, T, k*H] (the OUTPUT of each tapped layer,
+Inputs `input_ids` [B, T], `position_ids` [B, T], `past_key_i` / `past_value_i` [B, kv, P, hd] and
+`attention_mask` [B, P+T] (1: a real key; 0: padding of a batch of sequences of different lengths,
+`onnx_layers.attention_bias`); outputs `logits` [B, T, V], `aux_hidden_states` [B, T, k*H] (the OUTPUT of each tapped layer,
 concatenated in `aux_layer_ids` order, as `reference.target.ReferenceTarget` returns them) and
 `present_key_i` / `present_value_i`.
 
@@ -83,8 +84,9 @@ class TargetGraphWriter:
         past = [(g.input(f"past_key_{i}", self.elem, [B, self.kv_heads, PAST, self.head_dim]),
                  g.input(f"past_value_{i}", self.elem, [B, self.kv_heads, PAST, self.head_dim]))
                 for i in range(len(self.layers))]
+        attention_mask = g.input("attention_mask", INT64, [B, PRESENT])
         x = g.embedding(self._embed_name(), ids=ids, compute=self.dtype, **self._matrix(self._embed_name(), False))
-        mask = L.causal_mask(g, L.past_len(g, past[0][0]), L.seq_len(g, ids))
+        mask = L.attention_bias(g, L.past_len(g, past[0][0]), L.seq_len(g, ids), attention_mask)
         cos, sin = self._rope(g, positions)
         taps, presents = {}, []
         for i in range(len(self.layers)):

@@ -4,12 +4,15 @@
 `TargetBackend` / `DrafterBackend` protocols of `reference.speculate`, so the ONE speculation loop
 runs the exported graphs exactly as it runs the reference: same drafts, same verification.
 
-Each backend keeps its KV cache as numpy arrays [B, heads, S, dim], feeds them as `past_*`,
-stores the returned `present_*`, and crops them on `truncate` (rejected drafts).
+Each backend keeps one sequence's KV cache as numpy arrays [1, heads, S, dim], feeds it as `past_*`,
+stores the returned `present_*`, and crops it on `truncate` (rejected drafts). `fork()` gives another
+sequence over the same sessions, and `*_batch` runs several sequences in one call, padded and masked
+(`run_batch`): `runtime/batching.py` serves the requests in flight that way.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +115,7 @@ def _check_meta(path: Path, meta: dict) -> None:
 
 
 class _Cache:
-    """Per-layer KV arrays [B, heads, S, dim]."""
+    """One sequence's per-layer KV arrays [1, heads, S, dim]."""
 
     def __init__(self, kv: dict, dtype):
         self.kv, self.dtype = kv, dtype
@@ -127,16 +130,6 @@ class _Cache:
     def length(self) -> int:
         return self.keys[0].shape[2]
 
-    def feeds(self) -> dict[str, np.ndarray]:
-        out = {}
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            out[f"past_key_{i}"], out[f"past_value_{i}"] = k, v
-        return out
-
-    def update(self, outputs: dict[str, np.ndarray]) -> None:
-        self.keys = [outputs[f"present_key_{i}"] for i in range(len(self.keys))]
-        self.values = [outputs[f"present_value_{i}"] for i in range(len(self.values))]
-
     def crop(self, length: int) -> None:
         self.keys = [k[:, :, :length] for k in self.keys]
         self.values = [v[:, :, :length] for v in self.values]
@@ -145,6 +138,46 @@ class _Cache:
 def _run(session, feeds: dict) -> dict[str, np.ndarray]:
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, feeds)))
+
+
+def _pad(array: np.ndarray, length: int, axis: int, left: bool) -> np.ndarray:
+    missing = length - array.shape[axis]
+    if not missing:
+        return array
+    widths = [(0, 0)] * array.ndim
+    widths[axis] = (missing, 0) if left else (0, missing)
+    return np.pad(array, widths)
+
+
+def run_batch(session, caches: list[_Cache], feeds: list[dict[str, np.ndarray]],
+              per_token: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
+    """One session call for several sequences; `feeds[b]`: sequence b's [1, T_b, ...] inputs.
+
+    Caches are left-padded to the longest and new tokens right-padded to the longest, with
+    `attention_mask` marking each sequence's real keys (`onnx_layers.attention_bias`). Outputs come
+    back per sequence: those named in `per_token` cut to its T_b tokens, and its cache takes its own
+    entries of `present_*` (its real past ends, and its new tokens start, at the longest past P).
+    """
+    past = max(c.length for c in caches)
+    new = [f["input_ids"].shape[1] for f in feeds]
+    width = max(new)
+    batch = {name: np.concatenate([_pad(f[name], width, 1, left=False) for f in feeds]) for name in feeds[0]}
+    mask = np.zeros((len(caches), past + width), np.int64)
+    for b, (cache, t) in enumerate(zip(caches, new)):
+        mask[b, past - cache.length: past + t] = 1
+    batch["attention_mask"] = mask
+    for i in range(len(caches[0].keys)):
+        batch[f"past_key_{i}"] = np.concatenate([_pad(c.keys[i], past, 2, left=True) for c in caches])
+        batch[f"past_value_{i}"] = np.concatenate([_pad(c.values[i], past, 2, left=True) for c in caches])
+    out = _run(session, batch)
+    results = []
+    for b, (cache, t) in enumerate(zip(caches, new)):
+        keep = slice(past - cache.length, past + t)
+        cache.keys = [out[f"present_key_{i}"][b:b + 1, :, keep] for i in range(len(cache.keys))]
+        cache.values = [out[f"present_value_{i}"][b:b + 1, :, keep] for i in range(len(cache.values))]
+        results.append({name: out[name][b:b + 1, :t] if name in per_token else out[name][b:b + 1]
+                        for name in out if not name.startswith("present_")})
+    return results
 
 
 def _ids(x: torch.Tensor) -> np.ndarray:
@@ -160,7 +193,9 @@ def _check_positions(positions: np.ndarray, limit: int, what: str) -> np.ndarray
 
 
 class OrtTargetBackend:
-    """`TargetBackend` over target.onnx: logits and tapped states per forward, KV cache kept here."""
+    """`TargetBackend` over target.onnx: logits and tapped states per forward, one sequence's KV cache
+    kept here. `fork()` gives another sequence over the same session; `forward_batch` runs several
+    sequences' forwards in one session call."""
 
     def __init__(self, export: OnnxExport, threads: int | None = None):
         if not export.has_target:
@@ -171,6 +206,11 @@ class OrtTargetBackend:
         self.aux_layer_ids = tuple(meta["aux_layer_ids"])
         self.vocab_size, self.max_positions = meta["vocab_size"], meta["max_positions"]
 
+    def fork(self) -> "OrtTargetBackend":
+        other = copy.copy(self)
+        other.cache = _Cache(self.cache.kv, self.cache.dtype)
+        return other
+
     @property
     def length(self) -> int:
         return self.cache.length
@@ -179,19 +219,27 @@ class OrtTargetBackend:
         self.cache.reset()
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        start, t = self.cache.length, input_ids.shape[1]
-        positions = np.arange(start, start + t, dtype=np.int64)[None].repeat(input_ids.shape[0], 0)
-        _check_positions(positions, self.max_positions, "target")
-        out = _run(self.session, {"input_ids": _ids(input_ids), "position_ids": positions, **self.cache.feeds()})
-        self.cache.update(out)
-        return torch.from_numpy(out["logits"]), torch.from_numpy(out["aux_hidden_states"])
+        return self.forward_batch([(self, input_ids)])[0]
+
+    @staticmethod
+    def forward_batch(calls: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`forward` of several sequences, [(backend, input_ids)], in one session call."""
+        feeds = []
+        for backend, input_ids in calls:
+            start, t = backend.cache.length, input_ids.shape[1]
+            positions = np.arange(start, start + t, dtype=np.int64)[None]
+            _check_positions(positions, backend.max_positions, "target")
+            feeds.append({"input_ids": _ids(input_ids), "position_ids": positions})
+        outs = run_batch(calls[0][0].session, [b.cache for b, _ in calls], feeds, ("logits", "aux_hidden_states"))
+        return [(torch.from_numpy(o["logits"]), torch.from_numpy(o["aux_hidden_states"])) for o in outs]
 
     def truncate(self, length: int) -> None:
         self.cache.crop(length)
 
 
 class OrtDrafterBackend:
-    """`DrafterBackend` over drafter_first.onnx (tapped states in) and drafter_next.onnx (fed-back state in)."""
+    """`DrafterBackend` over drafter_first.onnx (tapped states in) and drafter_next.onnx (fed-back state in);
+    `fork()` and `forward_batch` as for the target."""
 
     def __init__(self, export: OnnxExport, threads: int | None = None):
         from safetensors.torch import load_file
@@ -208,10 +256,15 @@ class OrtDrafterBackend:
                                   "re-run `eagle31-export export onnx`") from None
         self.max_positions = meta["max_positions"]
 
+    def fork(self):
+        other = copy.copy(self)
+        other.cache = _Cache(self.cache.kv, self.cache.dtype)
+        return other
+
     def _feeds(self, input_ids, positions, name: str, hidden) -> dict[str, np.ndarray]:
         return {"input_ids": _ids(input_ids),
                 "position_ids": _check_positions(_ids(positions), self.max_positions, "drafter"),
-                name: hidden.detach().float().numpy().astype(self.dtype), **self.cache.feeds()}
+                name: hidden.detach().float().numpy().astype(self.dtype)}
 
     @property
     def length(self) -> int:
@@ -221,10 +274,17 @@ class OrtDrafterBackend:
         self.cache.reset()
 
     def forward(self, input_ids, positions, hidden, hidden_is_aux):
-        session, name = (self.first, "aux_hidden_states") if hidden_is_aux else (self.next, "hidden_states")
-        out = _run(session, self._feeds(input_ids, positions, name, hidden))
-        self.cache.update(out)
-        return torch.from_numpy(out["logits"]), torch.from_numpy(out["fed_back_hidden"])
+        return self.forward_batch([(self, (input_ids, positions, hidden, hidden_is_aux))])[0]
+
+    @staticmethod
+    def forward_batch(calls: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`forward` of several sequences, [(backend, (input_ids, positions, hidden, hidden_is_aux))], all
+        with the same `hidden_is_aux` (one graph), in one session call."""
+        first, (_, (_, _, _, hidden_is_aux)) = calls[0][0], calls[0]
+        session, name = (first.first, "aux_hidden_states") if hidden_is_aux else (first.next, "hidden_states")
+        feeds = [backend._feeds(ids, positions, name, hidden) for backend, (ids, positions, hidden, _) in calls]
+        outs = run_batch(session, [b.cache for b, _ in calls], feeds, ("logits", "target_token_ids", "fed_back_hidden"))
+        return [(torch.from_numpy(o["logits"]), torch.from_numpy(o["fed_back_hidden"])) for o in outs]
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -249,11 +309,22 @@ class OrtChainDrafterBackend(OrtDrafterBackend):
         self.chain, self.chain_depth = export.session(chain["file"], threads), int(chain["depth"])
 
     def draft_chain(self, input_ids, positions, hidden, depth: int) -> torch.Tensor:
-        # the chain's later steps run at positions up to last + chain_depth - 1
-        _check_positions(_ids(positions)[:, -1:] + self.chain_depth - 1, self.max_positions, "drafter chain")
-        out = _run(self.chain, self._feeds(input_ids, positions, "aux_hidden_states", hidden))
-        self.cache.update(out)
-        return torch.from_numpy(out["draft_logits"])[:, :depth]
+        return self.draft_chain_batch([(self, (input_ids, positions, hidden, depth))])[0]
+
+    @staticmethod
+    def draft_chain_batch(calls: list) -> list[torch.Tensor]:
+        """`draft_chain` of several sequences, [(backend, (input_ids, positions, hidden, depth))], all with
+        the same number of new tokens (the chain continues from each one's last position)."""
+        feeds = []
+        for backend, (ids, positions, hidden, _) in calls:
+            # the chain's later steps run at positions up to last + chain_depth - 1
+            _check_positions(_ids(positions)[:, -1:] + backend.chain_depth - 1, backend.max_positions,
+                             "drafter chain")
+            feeds.append(backend._feeds(ids, positions, "aux_hidden_states", hidden))
+        if len({f["input_ids"].shape[1] for f in feeds}) > 1:
+            raise ValueError("one chain call takes sequences with the same number of new tokens")
+        outs = run_batch(calls[0][0].chain, [b.cache for b, _ in calls], feeds, ())
+        return [torch.from_numpy(o["draft_logits"])[:, :depth] for o, (_, (*_, depth)) in zip(outs, calls)]
 
 
 def load_backends(folder: str | os.PathLike, chain: bool = False, threads: int | None = None):
@@ -295,7 +366,12 @@ def load(source, options, workdir: Path | None = None):
 
             ids = default_aux_layer_ids(read_target_info(target_path).num_hidden_layers)
         target = load_target(target_path, tuple(ids), dtype=options.dtype, act_quant=options.act_quant)
-    return LoopSpeculator("onnxruntime", target, drafter, exact=drafter.export.meta.get("dtype") == "fp32")
+    exact = drafter.export.meta.get("dtype") == "fp32"
+    if isinstance(target, OrtTargetBackend):  # both sides are graphs: requests in flight run batched
+        from eagle31_export.runtime.batching import BatchingSpeculator
+
+        return BatchingSpeculator("onnxruntime", target, drafter, exact)
+    return LoopSpeculator("onnxruntime", target, drafter, exact)
 
 
 def _verifying_target(export: OnnxExport, source) -> Path:

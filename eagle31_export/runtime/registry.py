@@ -9,6 +9,8 @@ Triton `cpu` repository can serve it, `prepare_servable(pair_dir, target) -> art
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -82,6 +84,7 @@ class Speculator:
     exact: bool = True
     reports_drafts = True  # False: the runtime returns tokens and acceptance counts, not its drafts (vLLM)
     rounds_in_order = True  # False: accepted counts per round are known as counts only, not in order
+    serves_concurrently = False  # True: requests in flight together are served together (batched), not queued
 
     def close(self) -> None:
         """Release what the runtime holds outside this process (a server it started)."""
@@ -96,20 +99,44 @@ class Speculator:
             stop_ids: tuple[int, ...] = (), observer: LoopObserver | None = None) -> SpecResult:
         raise NotImplementedError
 
+    def run_concurrently(self, prompts: list[list[int]], max_new_tokens: int, depth: int, concurrency: int,
+                         temperature: float = 0.0, seed: int = 0) -> "ConcurrentRun":
+        """Every prompt with `concurrency` requests in flight at a time (prompt i with seed + i, as
+        one at a time), the results in prompt order."""
+        def one(i: int) -> SpecResult:
+            return self.run(prompts[i], max_new_tokens, depth, temperature, seed + i)
+
+        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eagle31-request") as pool:
+            return ConcurrentRun(list(pool.map(one, range(len(prompts)))))
+
+
+@dataclass
+class ConcurrentRun:
+    """What `run_concurrently` saw: per-request results, and the runtime's own pooled acceptance
+    counters over the whole run where it keeps them (vLLM's /metrics: rounds, accepted drafts,
+    accepted per draft position), which per-request results must add up to."""
+
+    results: list[SpecResult]
+    pooled: dict | None = None
+
 
 class LoopSpeculator(Speculator):
-    """The one speculation loop over a (TargetBackend, DrafterBackend) pair."""
+    """The one speculation loop over a (TargetBackend, DrafterBackend) pair. The backends hold one
+    sequence's caches, so concurrent runs take turns."""
 
     def __init__(self, name: str, target: TargetBackend, drafter: DrafterBackend, exact: bool = True):
         self.name, self.target, self.drafter, self.exact = name, target, drafter, exact
+        self._turn = threading.Lock()
 
     def run(self, prompt_ids, max_new_tokens, depth, temperature=0.0, seed=0, stop_ids=(), observer=None):
-        return speculate(self.target, self.drafter, list(prompt_ids), max_new_tokens, depth, temperature, seed,
-                         tuple(stop_ids), observer)
+        with self._turn:
+            return speculate(self.target, self.drafter, list(prompt_ids), max_new_tokens, depth, temperature, seed,
+                             tuple(stop_ids), observer)
 
     def replay(self, prompt_ids: list[int], run: SpecResult, observer: LoopObserver | None = None) -> SpecResult:
         """This pair's drafts at another greedy run's round boundaries, with one target forward."""
-        return replay_greedy(self.target, self.drafter, list(prompt_ids), run, observer)
+        with self._turn:
+            return replay_greedy(self.target, self.drafter, list(prompt_ids), run, observer)
 
 
 @dataclass(frozen=True)
