@@ -55,14 +55,20 @@ def parity(
     vllm: VllmOpt = None,
     port: PortOpt = None,
     engine_timeout: EngineTimeoutOpt = 600.0,
+    concurrency: Optional[str] = typer.Option(None, "--concurrency", help="Also serve every prompt with C requests "
+                                              "in flight, for each C of a list such as 1,4,16 (runtimes that serve "
+                                              "requests: onnxruntime, triton, vllm); compared with C = 1 and the "
+                                              "reference."),
 ) -> None:
     """Run reference and runtime on the same prompts; compare tokens, drafts, acceptance."""
     from eagle31_export.parity.report import markdown, write_report
 
     from eagle31_export.formats.outputs import check_output
+    from eagle31_export.parity.concurrency import parse_levels
     from eagle31_export.parity.sides import check_parity
 
     inputs = [bundle, drafter, target, capture, prompts]
+    levels = parse_levels(concurrency)
     if out is not None:
         check_output(out, force, inputs)  # before the run, not after it
     with ProgressDisplay(f"parity vs {runtime}") as display:
@@ -70,7 +76,8 @@ def parity(
         report = check_parity(runtime, bundle, drafter, target, url, prompts, depth, max_new_tokens, temperature, seed,
                               phases, mode, capture=capture, act_quant=act_quant, device=device,
                               runtime_options={"dtype": parse_dtype(runtime_dtype),
-                                               **vllm_options(vllm, port, engine_timeout)})
+                                               **vllm_options(vllm, port, engine_timeout)},
+                              concurrency=levels)
         if out is not None:
             with phases.phase("write"):  # report.json holds the timings up to here; stdout's also this one
                 write_report(report, out, force=force, inputs=inputs)

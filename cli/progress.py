@@ -24,6 +24,7 @@ LABELS = {
     "load_runtime": "loading the runtime",
     "generate": "generating (tokens)",
     "compare": "parity (prompts)",
+    "concurrency": "under load (concurrency levels)",
     "measure": "measuring (prompts)",
     "capture": "capturing (prompts)",
     "export": "exporting",

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 
 from eagle31_export.errors import UserError
+from eagle31_export.parity.concurrency import ConcurrencyRow, LoadRuns, check_runtime_serves, compare_levels, run_levels
 from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
 from eagle31_export.progress import Phases
 from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
@@ -74,6 +76,8 @@ class ParityReport:
     per_depth: dict | None = None
     # seconds per phase of the run (load_reference, load_runtime, compare, per_depth): eagle31_export/progress.py
     timings: dict[str, float] = field(default_factory=dict)
+    # --concurrency: one row per level C (C = 1 first), parity/concurrency.py
+    concurrency: list[ConcurrencyRow] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -102,7 +106,9 @@ class ParityReport:
                 "compared": self.compared,
                 "thresholds": asdict(self.thresholds), "tau_reference": self.tau("reference"),
                 "tau_runtime": self.tau("runtime"), "failures": self.failures,
-                "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth, "timings": self.timings}
+                "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth,
+                "concurrency": [{**asdict(c), "tokens_per_second": c.tokens_per_second} for c in self.concurrency],
+                "timings": self.timings}
 
 
 def _counts(result: SpecResult) -> list[int]:
@@ -201,12 +207,15 @@ MODES = ("replay", "autoregressive")
 def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[int]], depth: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, exact: bool | None = None,
                thresholds: Thresholds = Thresholds(), on_prompt: Callable[[int], None] | None = None,
-               mode: str | None = None, per_depth_positions: int = 8, progress=None) -> ParityReport:
+               mode: str | None = None, per_depth_positions: int = 8, progress=None,
+               concurrency: tuple[int, ...] = (1,)) -> ParityReport:
     """`mode` "replay" (greedy only; the default there): the reference drafter is replayed at the
     runtime's round boundaries with one target forward per prompt; "autoregressive": the reference
     runs its own loop (the only mode for sampling). `per_depth_positions` > 0: also measure both
     sides per draft depth at that many positions per prompt (`per_depth_sides`). `progress`: phases
-    `compare` (prompts done) and `per_depth`, timed into `report.timings` (eagle31_export/progress.py)."""
+    `compare` (prompts done) and `per_depth`, timed into `report.timings` (eagle31_export/progress.py).
+    `concurrency`: levels C at which the runtime also runs every prompt with C requests in flight
+    (parity/concurrency.py)."""
     phases = Phases.of(progress)
     mode = mode or ("replay" if temperature == 0 and hasattr(reference, "replay") else "autoregressive")
     if mode not in MODES:
@@ -214,12 +223,15 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
     if mode == "replay" and (temperature != 0 or not hasattr(reference, "replay")):
         raise UserError("replay parity compares greedy runs of a reference pair; use --mode autoregressive")
     exact = runtime.exact if exact is None else exact
+    check_runtime_serves(runtime, concurrency)
     report = ParityReport(runtime.name, depth, temperature, exact, thresholds, mode,
                           drafts_reported=runtime.reports_drafts)
     with phases.phase("compare", total=len(prompts)):
-        _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens, temperature, seed, exact,
-                         thresholds, mode, on_prompt, phases)
+        runs, refs, seconds = _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
+                                               temperature, seed, exact, thresholds, mode, on_prompt, phases)
+    load = run_levels(runtime, prompts, depth, max_new_tokens, temperature, seed, concurrency, phases)
     report.failures = _failures(report)
+    _add_levels(report, runs, seconds, refs, load)
     if per_depth_positions:
         with phases.phase("per_depth"):
             report.per_depth = per_depth_sides(reference, runtime, prompts, depth, per_depth_positions)
@@ -230,21 +242,24 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
 def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: Callable[[], Speculator],
                        prompts: list[list[int]], depth: int, max_new_tokens: int, seed: int = 0,
                        thresholds: Thresholds = Thresholds(), per_depth_positions: int = 8,
-                       progress=None) -> ParityReport:
+                       progress=None, concurrency: tuple[int, ...] = (1,)) -> ParityReport:
     """Greedy replay parity holding one side in memory at a time, for pairs whose target fits once but
     not twice: the runtime generates every prompt and is released; only then is the reference loaded,
     to replay its drafter at the runtime's round boundaries. The per-depth section measures both sides
-    on the runtime's own greedy continuations (the reference target's, where parity passes)."""
+    on the runtime's own greedy continuations (the reference target's, where parity passes).
+    `concurrency`: as for `run_parity`; the levels run while the runtime is loaded."""
     phases = Phases.of(progress)
     with phases.phase("load_runtime"):
         runtime = load_runtime()
     try:
+        check_runtime_serves(runtime, concurrency)
         runs = []
         with phases.phase("runtime", total=len(prompts)):
             for i, prompt in enumerate(prompts):
                 logits = FirstDraftLogits()
                 runs.append((runtime.run(prompt, max_new_tokens, depth, 0.0, seed + i, observer=logits), logits))
                 phases("runtime", i + 1, len(prompts))
+        load = run_levels(runtime, prompts, depth, max_new_tokens, 0.0, seed, concurrency, phases)
         positions = _positions_within(runs, depth, per_depth_positions)
         continuations = [run.tokens[:positions + depth - 1] for run, _ in runs]
         per_depth = {"positions_per_prompt": positions}
@@ -269,16 +284,19 @@ def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: C
     if not hasattr(reference, "replay"):
         raise UserError("replay parity compares greedy runs of a reference pair; use --mode autoregressive")
     atol = thresholds.logits_atol if report.exact else thresholds.half_precision_logits_atol
+    refs = []
     with phases.phase("compare", total=len(prompts)):
         for i, (prompt, (run, run_logits)) in enumerate(zip(prompts, runs)):
             ref_logits = FirstDraftLogits()
             ref = reference.replay(prompt, run, observer=ref_logits)
+            refs.append(ref)
             row = compare_prompt(i, prompt, ref, run, _max_abs_diff(ref_logits.logits, run_logits.logits), atol,
                                  report.drafts_reported)
             row.target_forwards_reference = 1
             report.rows.append(row)
             phases("compare", i + 1, len(prompts))
     report.failures = _failures(report)
+    _add_levels(report, [run for run, _ in runs], phases.timings.get("runtime", 0.0), refs, load)
     if positions:
         with phases.phase("per_depth"):
             per_depth["reference"] = per_depth_side(reference, prompts, depth, positions, continuations)
@@ -294,11 +312,25 @@ def _positions_within(runs, depth: int, wanted: int) -> int:
     return max(0, min(wanted, *(len(run.tokens) - depth + 1 for run, _ in runs)))
 
 
+def _add_levels(report: ParityReport, runs: list[SpecResult], seconds: float, refs: list[SpecResult],
+                load: LoadRuns) -> None:
+    """The concurrency rows and their failures, where levels beyond C = 1 ran."""
+    if not load.runs:
+        return
+    report.concurrency, failures = compare_levels(runs, seconds, refs, load, report.depth, report.exact,
+                                                  report.thresholds.tau_rel_tol)
+    report.failures += failures
+
+
 def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens, temperature, seed, exact,
-                     thresholds, mode, on_prompt, phases) -> None:
+                     thresholds, mode, on_prompt, phases) -> tuple[list[SpecResult], list[SpecResult], float]:
+    """Each prompt on both sides, one row each; (the runtime's results, the reference's, the runtime's seconds)."""
+    runs, refs, seconds = [], [], 0.0
     for i, prompt in enumerate(prompts):
         run_logits, ref_logits = FirstDraftLogits(), FirstDraftLogits()
+        start = time.perf_counter()
         run = runtime.run(prompt, max_new_tokens, depth, temperature, seed + i, observer=run_logits)
+        seconds += time.perf_counter() - start
         if mode == "replay":
             ref, forwards = reference.replay(prompt, run, observer=ref_logits), 1
         else:
@@ -309,9 +341,12 @@ def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
         row = compare_prompt(i, prompt, ref, run, diff, atol, runtime.reports_drafts, runtime.rounds_in_order)
         row.target_forwards_reference = forwards
         report.rows.append(row)
+        runs.append(run)
+        refs.append(ref)
         if on_prompt:
             on_prompt(i)
         phases("compare", i + 1, len(prompts))
+    return runs, refs, seconds
 
 
 def _failures(report: ParityReport) -> list[str]:

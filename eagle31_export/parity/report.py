@@ -7,6 +7,7 @@ from pathlib import Path
 
 from eagle31_export.formats.outputs import atomic_output_dir
 from eagle31_export.parity.compare import ParityReport
+from eagle31_export.parity.concurrency_report import concurrency_lines, concurrency_plot
 
 
 def write_report(report: ParityReport, folder: Path, force: bool = False, inputs=()) -> list[Path]:
@@ -55,9 +56,11 @@ def markdown(report: ParityReport) -> str:
     if report.failures:
         lines += ["## Failures", ""] + [f"- {f}" for f in report.failures] + [""]
     lines += per_depth_lines(report)
+    lines += concurrency_lines(report.concurrency, report.runtime, report.tau("reference"))
     lines += ["Thresholds: " + ", ".join(f"{k}={v}" for k, v in report.to_json()["thresholds"].items()),
               "", "Plots: `acceptance_by_position.png`, `tau_per_prompt.png`, `tau_vs_context.png`"
-              + (", `per_depth.png`" if report.per_depth else "") + ".", ""]
+              + (", `per_depth.png`" if report.per_depth else "")
+              + (", `tau_by_concurrency.png`" if report.concurrency else "") + ".", ""]
     return "\n".join(lines)
 
 
@@ -134,6 +137,9 @@ def plots(report: ParityReport, folder: Path) -> list[Path]:
     paths.append(_save(fig, folder / "tau_vs_context.png"))
     if report.per_depth:
         paths.append(_per_depth_plot(report, folder / "per_depth.png"))
+    if report.concurrency:
+        paths.append(concurrency_plot(report.concurrency, report.runtime, report.tau("reference"),
+                                      folder / "tau_by_concurrency.png", _save))
     return paths
 
 

@@ -68,7 +68,8 @@ def default_prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list
 def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target: Path | None, url: str | None,
                  prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                  progress=None, mode: str | None = None, capture: Path | None = None,
-                 act_quant: bool = False, device: str = "cpu", runtime_options: dict | None = None) -> ParityReport:
+                 act_quant: bool = False, device: str = "cpu", runtime_options: dict | None = None,
+                 concurrency: tuple[int, ...] = (1,)) -> ParityReport:
     """The whole parity check: both sides from the registry, the prompts, the comparison.
     `progress(phase, done, total)` hears of each phase (load_reference, load_runtime, compare per
     prompt, per_depth; eagle31_export/progress.py), whose seconds land in `report.timings`. With
@@ -76,7 +77,8 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     the captured ones. `act_quant`: an NVFP4 target computes W4A4 (its inputs NVFP4-quantized too) on
     both sides. `device` (cpu, cuda, auto): where the reference pair computes, on both sides.
     `runtime_options`: LoadOptions fields for the runtime side only (vllm: `dtype` of the engine, `vllm`,
-    `port`, `engine_timeout`); the reference always computes in fp32."""
+    `port`, `engine_timeout`); the reference always computes in fp32. `concurrency`: the levels C at
+    which the runtime also serves every prompt with C requests in flight (parity/concurrency.py)."""
     runtime_named(runtime)  # an unknown name fails before anything loads
     resolve_device(device, runtime)  # and so does a device either side cannot use
     phases = Phases.of(progress)
@@ -90,17 +92,19 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
                             "drop --act-quant, or give --target")
         return _parity_on_capture(runtime, bundle, drafter or (bundle_sources(bundle)[0] if bundle else None), capture,
                                   url, prompts_file, depth, max_new_tokens, temperature, seed, phases, mode,
-                                  target, device, runtime_options)
+                                  target, device, runtime_options, concurrency)
     src_drafter, src_target = bundle_sources(bundle) if bundle else (None, None)
     drafter, target = drafter or src_drafter, target or src_target
     if drafter is None or target is None:
         raise UserError("parity needs the reference pair: pass --drafter D --target T "
                         "(or a bundle that records where it was exported from)")
     vocab = read_target_info(target).vocab_size
-    prompts = read_prompts(prompts_file, target, vocab) if prompts_file else default_prompts(vocab)
+    # under load, enough prompts by default that the highest level really has C requests in flight
+    count = max(8, *concurrency)
+    prompts = read_prompts(prompts_file, target, vocab) if prompts_file else default_prompts(vocab, count)
     options = LoadOptions(dtype=torch.float32, act_quant=act_quant, device=device)
     return _run_sides(runtime, PairSource.of(drafter, target), PairSource.of(drafter, target, bundle, url), options,
-                      prompts, depth, max_new_tokens, temperature, seed, mode, phases, runtime_options)
+                      prompts, depth, max_new_tokens, temperature, seed, mode, phases, runtime_options, concurrency)
 
 
 def capture_prompts(capture, prompts_file: Path | None) -> list[list[int]]:
@@ -116,7 +120,7 @@ def capture_prompts(capture, prompts_file: Path | None) -> list[list[int]]:
 def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, capture_dir: Path, url: str | None,
                        prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float, seed: int,
                        phases: Phases, mode: str | None, target: Path | None, device: str,
-                       runtime_options: dict | None = None) -> ParityReport:
+                       runtime_options: dict | None = None, concurrency: tuple[int, ...] = (1,)) -> ParityReport:
     from eagle31_export.formats.capture import Capture
 
     if target is not None:
@@ -132,12 +136,13 @@ def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, 
     options = LoadOptions(dtype=torch.float32, device=device)
     return _run_sides(runtime, PairSource.of(drafter, capture=capture_dir),
                       PairSource.of(drafter, None, bundle, url, capture=capture_dir), options, prompts, depth,
-                      max_new_tokens, temperature, seed, mode, phases, runtime_options)
+                      max_new_tokens, temperature, seed, mode, phases, runtime_options, concurrency)
 
 
 def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairSource, options: LoadOptions,
                prompts: list[list[int]], depth: int, max_new_tokens: int, temperature: float, seed: int,
-               mode: str | None, phases: Phases, runtime_options: dict | None = None) -> ParityReport:
+               mode: str | None, phases: Phases, runtime_options: dict | None = None,
+               concurrency: tuple[int, ...] = (1,)) -> ParityReport:
     """Greedy replay (the default) holds one side at a time, so a target that fits the machine once is
     enough; autoregressive and sampling parity run both sides prompt by prompt."""
     if mode not in (None, *MODES):
@@ -153,11 +158,11 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
 
         if temperature == 0 and mode in (None, "replay"):
             return run_parity_in_turn(load_runtime, load_reference, prompts, depth, max_new_tokens, seed,
-                                      progress=phases)
+                                      progress=phases, concurrency=concurrency)
         with phases.phase("load_reference"):
             reference = load_reference()
         with phases.phase("load_runtime"):
             other = load_runtime()
         with other:  # a server the runtime started stops whatever happens
             return run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
-                              mode=mode, progress=phases)
+                              mode=mode, progress=phases, concurrency=concurrency)

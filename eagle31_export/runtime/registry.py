@@ -118,6 +118,7 @@ class ConcurrentRun:
 
     results: list[SpecResult]
     pooled: dict | None = None
+    per_request: bool = True  # False: the results carry tokens only; acceptance is known pooled
 
 
 class LoopSpeculator(Speculator):

@@ -1,0 +1,44 @@
+"""The report's concurrency section (parity/concurrency.py): a table per level C and tau by C."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle31_export.parity.concurrency import ConcurrencyRow
+
+
+def concurrency_lines(rows: list[ConcurrencyRow], runtime: str, tau_reference: float) -> list[str]:
+    if not rows:
+        return []
+    lines = [f"## Under load: {runtime} with C requests in flight", "",
+             "| C | in flight | same tokens as C=1 | same rounds as C=1 | same as reference | rounds | accepted "
+             "| accepted per position | tau | output tok/s | runtime's own counters |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        own = "" if row.runtime_counters is None else (
+            f"{row.runtime_counters['rounds']} rounds, {row.runtime_counters['accepted']} accepted")
+        same_rounds = f"{row.same_rounds_as_c1}/{row.prompts}" if row.per_request else "not reported per request"
+        lines.append(f"| {row.concurrency} | {min(row.concurrency, row.prompts)} | {row.same_tokens_as_c1}/{row.prompts} "
+                     f"| {same_rounds} | {row.same_tokens_as_reference}/{row.prompts} | {row.rounds} | {row.accepted} "
+                     f"| {'/'.join(map(str, row.accepted_per_position))} | {row.tau:.3f} "
+                     f"| {row.tokens_per_second:.1f} | {own} |")
+    lines += ["", f"reference tau {tau_reference:.3f}. Per-request counts compared where the runtime returns them; "
+              "otherwise its pooled counters against C = 1's. Throughput is this machine's, not a benchmark "
+              "(benchmarks/speedup.py).", ""]
+    return lines
+
+
+def concurrency_plot(rows: list[ConcurrencyRow], runtime: str, tau_reference: float, path: Path, save) -> Path:
+    """tau at each C beside the reference's: flat when batching is right."""
+    import matplotlib.pyplot as plt
+
+    levels = [r.concurrency for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(levels, [r.tau for r in rows], "x--", label=runtime)
+    ax.axhline(tau_reference, color="grey", linestyle=":", label="reference")
+    ax.set(xlabel="requests in flight (C)", ylabel="tau (tokens per target forward)", xscale="log",
+           xticks=levels, title="Acceptance length under load", ylim=(0, max(tau_reference, *[r.tau for r in rows]) * 1.15))
+    ax.set_xticklabels([str(c) for c in levels])
+    ax.minorticks_off()
+    ax.legend()
+    return save(fig, path)

@@ -1,0 +1,99 @@
+"""Parity under load (`parity --concurrency`) on the batched ONNX Runtime runtime, in process: exact
+at C = 4 and 16 for EAGLE 3.1 and EAGLE-3, and a batched step broken on purpose (here, in the test)
+that C = 1 cannot see and C > 1 must.
+
+The same check against real engines: tests/test_vllm_engine.py (vLLM) and tests/test_triton_server.py
+(the Triton `cpu` repository, batched).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eagle31_export.parity.sides import check_parity
+from eagle31_export.runtime import onnxruntime as ort_runtime
+
+PAIR = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "models"
+
+
+@pytest.mark.parametrize("drafter", ["drafter-eagle31", "drafter-eagle3"])
+def test_parity_under_load_is_exact_on_the_batched_onnxruntime(cli, tmp_path, drafter):
+    code, out, err = cli("parity", "--drafter", PAIR / drafter, "--target", PAIR / "target", "--runtime",
+                         "onnxruntime", "--concurrency", "4,16", "--max-new-tokens", "16", "--out", tmp_path / "r")
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    rows = {row["concurrency"]: row for row in report["concurrency"]}
+    assert sorted(rows) == [1, 4, 16] and len(report["prompts"]) == 16  # 16 prompts: C = 16 really has 16 in flight
+    for row in rows.values():
+        assert row["same_tokens_as_c1"] == row["same_rounds_as_c1"] == row["same_tokens_as_reference"] == 16
+        assert row["accepted_per_position"] == rows[1]["accepted_per_position"]
+    reference = [sum(p["accepted_per_position_reference"][i] for p in report["prompts"]) for i in range(3)]
+    assert rows[1]["accepted_per_position"] == reference and rows[1]["accepted"] > 0
+    assert "## Under load" in (tmp_path / "r" / "report.md").read_text()
+    assert (tmp_path / "r" / "tau_by_concurrency.png").stat().st_size > 10_000
+
+
+def _positions_from_the_padded_length(run_batch):
+    """A classic batching bug: every sequence's positions counted from the batch's longest cache,
+    not its own. Alone in a call, a sequence's own cache is the longest: nothing changes at C = 1."""
+    def broken(session, caches, feeds, per_token):
+        longest = max(c.length for c in caches)
+        shifted = [{**f, "position_ids": f["position_ids"] + (longest - c.length)} for c, f in zip(caches, feeds)]
+        return run_batch(session, caches, shifted, per_token)
+
+    return broken
+
+
+def test_broken_per_sequence_positions_pass_at_c1_and_fail_under_load(monkeypatch):
+    monkeypatch.setattr(ort_runtime, "run_batch", _positions_from_the_padded_length(ort_runtime.run_batch))
+    alone = check_parity("onnxruntime", None, PAIR / "drafter-eagle31", PAIR / "target", None, None, 3, 16)
+    assert alone.passed, alone.failures
+    loaded = check_parity("onnxruntime", None, PAIR / "drafter-eagle31", PAIR / "target", None, None, 3, 16,
+                          concurrency=(1, 4))
+    assert not loaded.passed
+    assert all(f.startswith("concurrency 4: ") for f in loaded.failures), loaded.failures
+    assert any("prompts differ from concurrency 1" in f and "per-sequence positions" in f for f in loaded.failures)
+    row = {r.concurrency: r for r in loaded.concurrency}[4]
+    assert row.differing_prompts and row.same_tokens_as_c1 < row.prompts
+
+
+def test_run_batch_pads_caches_left_and_new_tokens_right():
+    """The layout `attention_bias` relies on, read back from what the session is fed."""
+    kv = {"layers": 1, "heads": 1, "key_dim": 2, "value_dim": 2}
+    caches = [ort_runtime._Cache(kv, np.float32) for _ in range(2)]
+    caches[0].keys = [np.ones((1, 1, 3, 2), np.float32)]
+    caches[0].values = [np.ones((1, 1, 3, 2), np.float32)]
+    fed = {}
+
+    class Session:
+        def get_outputs(self):
+            return [type("O", (), {"name": n})() for n in ("logits", "present_key_0", "present_value_0")]
+
+        def run(self, names, feeds):
+            fed.update(feeds)
+            past = np.concatenate([feeds["past_key_0"], np.full((2, 1, 2, 2), 7, np.float32)], axis=2)
+            return [np.zeros((2, 2, 5), np.float32), past, past]
+
+    feeds = [{"input_ids": np.array([[4]])}, {"input_ids": np.array([[5, 6]])}]
+    out = ort_runtime.run_batch(Session(), caches, feeds, ("logits",))
+    assert fed["attention_mask"].tolist() == [[1, 1, 1, 1, 0], [0, 0, 0, 1, 1]]
+    assert fed["input_ids"].tolist() == [[4, 0], [5, 6]]
+    assert fed["past_key_0"][1].sum() == 0 and fed["past_key_0"].shape == (2, 1, 3, 2)
+    assert [o["logits"].shape[1] for o in out] == [1, 2]
+    assert caches[0].length == 4 and caches[1].length == 2  # own past + own new entries
+    assert caches[1].keys[0].tolist() == [[[[7, 7], [7, 7]]]]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--concurrency", "0"], "each level must be between 1 and 256"),
+    (["--concurrency", "4,x"], "give request counts separated by commas"),
+    (["--runtime", "reference", "--concurrency", "4"], "runs one sequence at a time"),
+])
+def test_bad_concurrency_is_one_line_and_exit_2(cli, args, message):
+    code, out, err = cli("parity", "--drafter", PAIR / "drafter-eagle31", "--target", PAIR / "target",
+                         "--max-new-tokens", "4", *args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
