@@ -77,6 +77,19 @@ def parse_dtype(name: str) -> torch.dtype:
         raise UserError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16") from None
 
 
+def echo_warnings(lines: list[str]) -> None:
+    """One `warning:` line on stderr per thing a runtime will serve with a default (it still runs)."""
+    for line in lines:
+        typer.echo(f"warning: {line}", err=True)
+
+
+def echo_bundle_warnings(bundle: Path) -> None:
+    """The warnings an export recorded in its bundle.json."""
+    from eagle31_export.export.bundle import BUNDLE_FILE
+
+    echo_warnings(json.loads((bundle / BUNDLE_FILE).read_text()).get("warnings") or [])
+
+
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
+from eagle31_export.cli.common import echo_bundle_warnings, BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
 from eagle31_export.cli.progress import working
 
 
@@ -30,4 +30,5 @@ def sglang(
 
     with working("export sglang"):
         path = export_sglang(drafter, target, out, tp, pp, steps, copy_target, force, runtime_version)
+    echo_bundle_warnings(path)
     typer.echo(f"SGLang bundle written to {path} (see {path / 'README.md'} for the server command)")

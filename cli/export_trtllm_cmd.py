@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
+from eagle31_export.cli.common import echo_bundle_warnings, BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
 from eagle31_export.cli.progress import working
 
 
@@ -30,4 +30,5 @@ def trtllm(
 
     with working("export trtllm"):
         path = export_trtllm(drafter, target, out, tp, pp, max_draft_len, copy_target, force, runtime_version)
+    echo_bundle_warnings(path)
     typer.echo(f"TensorRT-LLM bundle written to {path} (see {path / 'README.md'} for the trtllm-serve command)")

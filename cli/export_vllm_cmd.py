@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from eagle31_export.cli.common import BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
+from eagle31_export.cli.common import echo_bundle_warnings, BundleOutOpt, CopyTargetOpt, DrafterOpt, ForceOpt, PpOpt, RuntimeVersionOpt, TargetOpt, TpOpt
 from eagle31_export.cli.progress import working
 
 
@@ -31,4 +31,5 @@ def vllm(
 
     with working("export vllm"):
         path = export_vllm(drafter, target, out, tp, pp, k, copy_target, force, runtime_version, layout)
+    echo_bundle_warnings(path)
     typer.echo(f"vLLM bundle written to {path} (see {path / 'README.md'} for the vLLM server command)")

@@ -58,6 +58,8 @@ def _render(report: dict) -> None:
     console.print(table)
     for key in report.get("unknown_config_keys", []):
         console.print(f"[yellow]unknown config key (ignored): {key}[/]")
+    for warning in report.get("warnings", []):
+        console.print(f"[yellow]warning: {warning}[/]")
     for problem in report["problems"]:
         console.print(f"[red]problem: {problem}[/]")
     if not report["problems"]:

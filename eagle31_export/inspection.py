@@ -37,6 +37,7 @@ def inspect_drafter(path: Path, target: str | os.PathLike | None) -> dict[str, A
     ckpt = read_drafter(path, strict=False)  # value problems are reported, not raised
     cfg = ckpt.config
     problems: list[str] = list(ckpt.problems)
+    warnings: list[str] = []
     ids = cfg.aux_layer_ids
     source = "config" if ids is not None else "default"
     if target is not None:
@@ -48,7 +49,9 @@ def inspect_drafter(path: Path, target: str | os.PathLike | None) -> dict[str, A
             except ConfigError:
                 pass  # pair_problems already says why the default does not apply
         # What blocks exporting the target blocks exporting the pair (export.bundle.checked_pair).
-        problems += [f"target: {p}" for p in inspect_target(target)["problems"]]
+        target_report = inspect_target(target)
+        problems += [f"target: {p}" for p in target_report["problems"]]
+        warnings += [f"target: {w}" for w in target_report["warnings"]]
     resolved = with_max_positions(cfg, info if target is not None else None)
     config = resolved.to_dict()
     config["aux_layer_ids"] = list(ids) if ids is not None else None
@@ -68,6 +71,7 @@ def inspect_drafter(path: Path, target: str | os.PathLike | None) -> dict[str, A
         "tensors": sorted(ckpt.tensors),
         "unknown_config_keys": ckpt.unknown_config_keys,
         "problems": problems,
+        "warnings": warnings,
     }
     if ids is None:
         report["taps"] = DEFAULT_TAPS_NOTE

@@ -5,7 +5,9 @@ runtime's own configuration, a README with the exact server command, and `bundle
 
     {"kind": "trtllm", "target": "/abs/target" | "target", "drafter": "drafter",
      "max_draft_len": 3, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-     "aux_layer_ids": {"output_of_layer": [1, 3, 4], "before_layer": [2, 4, 5]}, ...}
+     "aux_layer_ids": {"output_of_layer": [1, 3, 4], "before_layer": [2, 4, 5]},
+     "kv_cache": null | {"algo": "FP8", "scales": {name as the runtime reads it: value}, ...},
+     "warnings": [what the runtime serves with a default the target may not mean], ...}
 
 The pair is checked here once for every runtime: the target must pass `inspect_target`, the
 drafter must fit the target, and the tensor/pipeline split must divide the models evenly.
@@ -14,12 +16,13 @@ drafter must fit the target, and the tensor/pipeline split must divide the model
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from eagle31_export.config import DrafterConfig, TargetInfo, output_to_before_layer
 from eagle31_export.errors import UserError
+from eagle31_export.export.kv_cache import BundleKvCache, TargetKvCache, bundle_kv_cache, target_kv_cache
 from eagle31_export.formats.drafter import DrafterCheckpoint, format_drafter, read_drafter
 from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.safetensors_io import read_json, save_tensors, write_json
@@ -36,6 +39,9 @@ class CheckedPair:
     checkpoint: DrafterCheckpoint  # config carries explicit aux_layer_ids (output-of-layer)
     target: Path  # absolute
     target_info: TargetInfo
+    # What the runtimes serve with a default the target may not mean (`inspect_target` warnings).
+    warnings: list[str] = field(default_factory=list)
+    kv_cache: TargetKvCache | None = None  # the target's FP8 KV cache, when it declares or stores one
 
     @property
     def config(self) -> DrafterConfig:
@@ -63,7 +69,7 @@ def checked_pair(drafter: str | os.PathLike, target: str | os.PathLike) -> Check
     ckpt = spec.checkpoint
     cfg = ckpt.config.replace(aux_layer_ids=ids, num_aux_hidden_states=len(ids))
     return CheckedPair(ascending_taps(DrafterCheckpoint(cfg, ckpt.tensors, ckpt.format, ckpt.path)), target,
-                       spec.target_info)
+                       spec.target_info, list(report["warnings"]), target_kv_cache(target))
 
 
 class _Overridden(Mapping[str, Any]):
@@ -155,9 +161,19 @@ def write_drafter_files(ckpt: DrafterCheckpoint, folder: Path, fmt_name: str,
     return config
 
 
+def bundle_target(pair: CheckedPair, kind: str, copy: bool, tmp: Path) -> BundleKvCache:
+    """The target's side of a bundle of `kind`: copied into `tmp / "target"` with `--copy-target` (its
+    KV-cache scales under the names the runtime reads), and what bundle.json records about it."""
+    kv = bundle_kv_cache(pair.kv_cache, kind, copy)
+    if copy:
+        copy_target(pair.target, tmp / "target", kv.renames)
+    return kv
+
+
 def bundle_record(kind: str, pair: CheckedPair, target_ref: str, max_draft_len: int,
-                  tp: int, pp: int, **extra: Any) -> dict[str, Any]:
+                  tp: int, pp: int, kv: BundleKvCache | None = None, **extra: Any) -> dict[str, Any]:
     ids = list(pair.aux_layer_ids)
+    kv = kv or BundleKvCache(None, {}, [])
     return {
         "kind": kind,
         "bundle_version": BUNDLE_VERSION,
@@ -170,15 +186,22 @@ def bundle_record(kind: str, pair: CheckedPair, target_ref: str, max_draft_len: 
         "aux_layer_ids": {"output_of_layer": ids, "before_layer": list(output_to_before_layer(tuple(ids)))},
         "drafter_source": {"path": str(pair.checkpoint.path.resolve()) if pair.checkpoint.path else None,
                            "format": pair.checkpoint.format},
+        "kv_cache": kv.record,
+        # What the runtime serves with a default the target may not mean; the export prints each line.
+        "warnings": pair.warnings + kv.warnings,
         **extra,
     }
 
 
-def copy_target(target: Path, dest: Path) -> None:
-    """Copy the target checkpoint file by file (large shards are streamed by the OS copy)."""
-    import shutil
+def copy_target(target: Path, dest: Path, renames: Mapping[str, str] | None = None) -> None:
+    """Copy the target checkpoint file by file (large shards are streamed by the OS copy), with the
+    tensors of `renames` under their new names. A target written by this tool keeps its manifest only
+    when copied unchanged (the bundle's own manifest covers the copy either way)."""
+    from eagle31_export.formats.outputs import MANIFEST
+    from eagle31_export.formats.tensor_rename import copy_folder_renaming
 
-    shutil.copytree(target, dest, ignore=shutil.ignore_patterns(".*"))
+    if copy_folder_renaming(target, dest, renames or {}) and (dest / MANIFEST).is_file():
+        (dest / MANIFEST).unlink()
 
 
 def read_bundle(bundle: str | os.PathLike) -> dict[str, Any]:

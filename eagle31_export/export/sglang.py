@@ -16,7 +16,7 @@ from eagle31_export.export.bundle import (
     bundle_record,
     check_parallel,
     checked_pair,
-    copy_target,
+    bundle_target,
     write_drafter_files,
 )
 from eagle31_export.errors import UserError
@@ -61,13 +61,12 @@ def export_sglang(drafter: str | os.PathLike, target: str | os.PathLike, out: st
     target_path = "target" if copy else str(pair.target)
     with atomic_output_dir(out, force=force, inputs=[drafter, pair.target], references={"target": target_path}) as tmp:
         write_drafter_files(pair.checkpoint, tmp / "drafter", fmt, patch)
-        if copy:
-            copy_target(pair.target, tmp / "target")
+        kv = bundle_target(pair, "sglang", copy, tmp)
         args = server_args(target_path, "drafter", num_steps, tp, pp)
         write_json(tmp / ARGS_FILE, {"module": "sglang.launch_server", "args": args})
         write_json(tmp / BUNDLE_FILE, bundle_record("sglang", pair, target_path,
                                                     num_steps, tp, pp, drafter_format=fmt,
-                                                    runtime_requirements=bundle_requirements("sglang", features, checked)))
+                                                    kv=kv, runtime_requirements=bundle_requirements("sglang", features, checked)))
         (tmp / "README.md").write_text(f"""# SGLang bundle (EAGLE {cfg.eagle_version} drafter)
 
 From this folder (the drafter{" and the target" if copy else ""} are named relative to it):

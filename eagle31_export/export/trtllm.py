@@ -27,7 +27,7 @@ from eagle31_export.export.bundle import (
     bundle_record,
     check_parallel,
     checked_pair,
-    copy_target,
+    bundle_target,
 )
 from eagle31_export.export.capabilities import (
     bundle_requirements,
@@ -87,14 +87,13 @@ def export_trtllm(drafter: str | os.PathLike, target: str | os.PathLike, out: st
     target_path = "target" if copy else str(pair.target)
     with atomic_output_dir(out, force=force, inputs=[drafter, pair.target], references={"target": target_path}) as tmp:
         write_trtllm_drafter(pair.checkpoint, tmp / "drafter")
-        if copy:
-            copy_target(pair.target, tmp / "target")
+        kv = bundle_target(pair, RUNTIME, copy, tmp)
         options = llm_api_options("drafter", max_draft_len, list(pair.aux_layer_ids), tp, pp)
         (tmp / LLM_API_FILE).write_text(_yaml_header() + yaml.safe_dump(options, sort_keys=False))
         write_json(tmp / BUNDLE_FILE, bundle_record(RUNTIME, pair, target_path,
                                                     max_draft_len, tp, pp, llm_api=LLM_API_FILE,
                                                     drafter_format=consumer_layout(RUNTIME, pair.config)[0],
-                                                    runtime_requirements=bundle_requirements(RUNTIME, features, checked)))
+                                                    kv=kv, runtime_requirements=bundle_requirements(RUNTIME, features, checked)))
         (tmp / "README.md").write_text(_readme(pair, target_path, max_draft_len, tp, pp)
                                        + readme_section(RUNTIME, features, checked))
     return out

@@ -31,7 +31,7 @@ from eagle31_export.export.bundle import (
     bundle_record,
     check_parallel,
     checked_pair,
-    copy_target,
+    bundle_target,
     write_drafter_files,
 )
 from eagle31_export.errors import UserError
@@ -104,13 +104,12 @@ def export_vllm(drafter: str | os.PathLike, target: str | os.PathLike, out: str 
     target_path = "target" if copy else str(pair.target)
     with atomic_output_dir(out, force=force, inputs=[drafter, pair.target], references={"target": target_path}) as tmp:
         write_drafter_files(ckpt, tmp / "drafter", fmt, patch)
-        if copy:
-            copy_target(pair.target, tmp / "target")
+        kv = bundle_target(pair, "vllm", copy, tmp)
         spec = speculative_config("drafter", num_speculative_tokens)
         write_json(tmp / SPEC_FILE, spec)
         write_json(tmp / BUNDLE_FILE, bundle_record("vllm", pair, target_path,
                                                     num_speculative_tokens, tp, pp, drafter_format=fmt,
-                                                    runtime_requirements=bundle_requirements(runtime, features, checked)))
+                                                    kv=kv, runtime_requirements=bundle_requirements(runtime, features, checked)))
         before = list(output_to_before_layer(pair.aux_layer_ids))
         (tmp / "README.md").write_text(f"""# vLLM bundle (EAGLE {pair.config.eagle_version} drafter)
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 
 from eagle31_export.errors import CheckpointError
+from eagle31_export.formats.kv_scales import parse_kv_scale
 from eagle31_export.formats.nvfp4 import BLOCK_SIZE, reciprocal_f32
 from eagle31_export.formats.nvfp4_scheme import (
     FUSED_GROUPS, QuantScheme, detect_scheme, exact_inverse, is_excluded, is_router, parse_exact_inverse,
@@ -76,6 +77,9 @@ class NVFP4Checkpoint:
     linears: dict[str, LinearInfo]
     kv_scales: dict[str, float]  # "<attention module>.k_scale" / ".v_scale" -> value
     problems: list[str] = field(default_factory=list)
+    # What runtimes serve as declared but with a default the checkpoint may not mean (scale 1.0, ...).
+    warnings: list[str] = field(default_factory=list)
+    kv_scale_names: dict[str, str] = field(default_factory=dict)  # kv_scales key -> stored tensor name
     # Stored global scales whose exact source value a converter recorded (see nvfp4_scheme).
     recorded_inverses: dict[str, float] = field(default_factory=dict)
     entries: dict[str, TensorEntry] = field(default_factory=dict)  # name -> file and byte range
@@ -96,7 +100,7 @@ class NVFP4Checkpoint:
             recorded.update(parse_exact_inverse(metadata))
         tensors = SafetensorsDir(folder)
         headers, scalars = _scan(tensors, entries)
-        ckpt = cls(folder, config, scheme, tensors, headers, {}, {}, [], recorded, entries)
+        ckpt = cls(folder, config, scheme, tensors, headers, {}, {}, [], [], {}, recorded, entries)
         ckpt._build_linears(scalars)
         ckpt._build_kv_scales(scalars)
         ckpt._check_exclusions()
@@ -221,17 +225,22 @@ class NVFP4Checkpoint:
 
     @property
     def _kv_tensor_names(self) -> list[str]:
-        return [n for n in self.headers if n.endswith((".k_scale", ".v_scale"))]
+        return [n for n in self.headers if parse_kv_scale(n) is not None]
 
     def _build_kv_scales(self, scalars: dict[str, float]) -> None:
+        # Every naming the runtimes read (formats/kv_scales.py), keyed by attention module.
         for name in self._kv_tensor_names:
-            module, _, leaf = name.rpartition(".")
-            which = leaf[0]
-            attn = module[: -len(f".{which}_proj")] if module.endswith(f".{which}_proj") else module
-            self.kv_scales[f"{attn}.{leaf}"] = self._scalar(name, scalars)
+            attn, which, _ = parse_kv_scale(name)
+            key = f"{attn}.{which}_scale"
+            if key in self.kv_scales:
+                raise CheckpointError(f"{self._where(name)}: {name} and {self.kv_scale_names[key]} are both the "
+                                      f"{which.upper()} scale of {attn}; keep one of them")
+            self.kv_scales[key] = self._scalar(name, scalars)
+            self.kv_scale_names[key] = name
         if self.scheme.kv_cache and not self.kv_scales:
-            self.problems.append("the checkpoint declares an FP8 KV cache but stores no k_scale/v_scale tensors; "
-                                 "runtimes will fall back to scale 1.0")
+            # The runtimes load such a checkpoint and use 1.0 (docs/nvfp4.md#fp8-kv-cache-scales).
+            self.warnings.append("the checkpoint declares an FP8 KV cache but stores no k_scale/v_scale tensors; "
+                                 "runtimes will use KV-cache scale 1.0 (calibrate the KV cache for other scales)")
         if self.kv_scales and not self.scheme.kv_cache:
             self.problems.append(f"{len(self.kv_scales)} KV-cache scales are stored but no FP8 KV cache is declared; "
                                  "runtimes will ignore them")

@@ -25,6 +25,7 @@ import torch
 from eagle31_export.config import ConfigError, TargetInfo
 from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.experts import ExpertLayout, expert_problems
+from eagle31_export.formats.kv_scales import parse_kv_scale
 from eagle31_export.formats.nvfp4_model import MODEL_TYPE_ALIASES
 from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
 from eagle31_export.formats.nvfp4_scheme import detect_scheme
@@ -384,12 +385,14 @@ def inspect_target(path: str | os.PathLike) -> dict[str, Any]:
     info = read_target_info(path)
     problems = target_problems(path, values=True)
     if detect_scheme(path, cfg) is None:
-        return {"kind": "target", "quantization": None, "config": info.__dict__, "problems": problems}
+        return {"kind": "target", "quantization": None, "config": info.__dict__, "problems": problems,
+                "warnings": []}
     ckpt = NVFP4Checkpoint.open(path)
     scheme = ckpt.scheme
     kv = None
     if scheme.kv_cache or ckpt.kv_scales:
-        kv = {"algo": scheme.kv_cache, "scales": len(ckpt.kv_scales)}
+        namings = sorted({parse_kv_scale(n)[2] for n in ckpt.kv_scale_names.values()})
+        kv = {"algo": scheme.kv_cache, "scales": len(ckpt.kv_scales), "naming": namings}
     quantization = {
         "algo": "NVFP4",
         "format": scheme.format,
@@ -399,4 +402,5 @@ def inspect_target(path: str | os.PathLike) -> dict[str, Any]:
         "excluded": list(scheme.excluded),
         "kv_cache": kv,
     }
-    return {"kind": "target", "quantization": quantization, "config": info.__dict__, "problems": problems}
+    return {"kind": "target", "quantization": quantization, "config": info.__dict__, "problems": problems,
+            "warnings": list(ckpt.warnings)}
