@@ -1,33 +1,54 @@
-"""`export engine`: one clear line where TensorRT is missing; with a stand-in TensorRT module, the
-build follows the documented sequence (plugins registered, library loaded through the registry,
-parse_from_file, precision flag, optimisation profile for dynamic inputs, serialised engine)."""
+"""`export engine`: one clear line where TensorRT is missing or cannot build what was exported; profiles
+sized from named dimensions and serving limits; the memory estimate printed and checked; against
+stand-ins that have exactly the Python API of TensorRT 10.0, 10.8 and 11.1 (tests/tensorrt_stand_in.py)."""
 
 import json
 import sys
-import types
 
+import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
+from tensorrt_stand_in import stand_in
+
+KV = 2 * 8 * 4  # heads x head_dim x float32 bytes of one cached position
+
+
+def write_export(folder, flavor="tensorrt", quantized=False, mask_dim="present_sequence", max_positions=64):
+    """A minimal export: graphs.json and two graphs with the project's named dimensions."""
+    folder.mkdir()
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    past = helper.make_tensor_value_info("past_key_0", TensorProto.FLOAT, ["batch", 2, "past_sequence", 8])
+    mask = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", mask_dim])
+    new = helper.make_tensor_value_info("new_key", TensorProto.FLOAT, ["batch", 2, "sequence", 8])
+    present = helper.make_tensor_value_info("present_key_0", TensorProto.FLOAT, ["batch", 2, "present_sequence", 8])
+    ids_out = helper.make_tensor_value_info("ids_out", TensorProto.INT64, ["batch", "sequence"])
+    nodes = [helper.make_node("Concat", ["past_key_0", "new_key"], ["present_key_0"], axis=2),
+             helper.make_node("Identity", ["input_ids"], ["ids_out"])]
+    for name in ("target", "drafter_next"):
+        graph = helper.make_graph(nodes, name, [ids, past, new, mask], [present, ids_out],
+                                  [numpy_helper.from_array(np.ones(4, np.float32), "w")])
+        onnx.save(helper.make_model(graph), folder / f"{name}.onnx")
+    meta = {"dtype": "fp32", "flavor": flavor,
+            "drafter": {"graphs": {"next": {"file": "drafter_next.onnx"}}, "max_positions": max_positions},
+            "target": {"file": "target.onnx", "max_positions": max_positions,
+                       "quantization": {"algo": "NVFP4", "modules": 1, "flavor": flavor} if quantized else None}}
+    (folder / "graphs.json").write_text(json.dumps(meta))
+    return folder
 
 
 @pytest.fixture
 def onnx_dir(tmp_path):
-    folder = tmp_path / "onnx"
-    folder.mkdir()
-    x = helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["tokens", 64])
-    y = helper.make_tensor_value_info("out", TensorProto.FLOAT, ["tokens", 64])
-    graph = helper.make_graph([helper.make_node("Identity", ["hidden"], ["out"])], "g", [x], [y])
-    onnx.save(helper.make_model(graph), folder / "drafter_step.onnx")
-    return folder
+    return write_export(tmp_path / "onnx")
 
 
 def test_missing_tensorrt_is_one_line_exit_2(monkeypatch, cli, tmp_path, onnx_dir):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import fails, as on machines without it
-    code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e")
-    assert code == 2 and len(err.strip().splitlines()) == 1
+    code, out, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e", "--device-memory", "80")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "TensorRT is not installed" in err and "pip install tensorrt" in err
+    assert "profile decode" in out  # the plan is said before TensorRT is needed
     assert not (tmp_path / "e").exists()
 
 
@@ -36,108 +57,113 @@ def test_bad_arguments(cli, tmp_path, onnx_dir):
     assert code == 2 and "export onnx" in err
     code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e", "--fp16", "--bf16")
     assert code == 2 and "at most one of" in err
+    code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e", "--max-seq-len", "65", "--plan")
+    assert code == 2 and "64 positions" in err and "--max-positions" in err
 
 
-class FakeTensorRT(types.ModuleType):
-    """Records what the builder is asked to do; mirrors the TensorRT 10 Python API surface used."""
-
-    def __init__(self):
-        super().__init__("tensorrt")
-        self.__version__ = "10.fake"
-        self.calls = []
-        fake = self
-
-        class Logger:
-            WARNING = 2
-
-            def __init__(self, level):
-                pass
-
-        class Registry:
-            all_creators = [types.SimpleNamespace(name="Eagle31FcNorm", plugin_namespace="eagle31")]
-
-            def load_library(self, path):
-                fake.calls.append(("load_library", path))
-
-        class Input:
-            name, shape = "hidden", (-1, 64)
-
-        class Network:
-            num_inputs = 1
-
-            def get_input(self, i):
-                return Input()
-
-        class Parser:
-            num_errors = 0
-
-            def __init__(self, network, logger):
-                pass
-
-            def parse_from_file(self, path):
-                fake.calls.append(("parse_from_file", path))
-                return True
-
-        class Profile:
-            def set_shape(self, name, lo, opt, hi):
-                fake.calls.append(("set_shape", name, lo, opt, hi))
-
-        class Config:
-            def set_memory_pool_limit(self, pool, size):
-                pass
-
-            def set_flag(self, flag):
-                fake.calls.append(("set_flag", flag))
-
-            def add_optimization_profile(self, profile):
-                fake.calls.append(("add_optimization_profile",))
-
-        class Builder:
-            def __init__(self, logger):
-                pass
-
-            def create_network(self, flags):
-                return Network()
-
-            def create_builder_config(self):
-                return Config()
-
-            def create_optimization_profile(self):
-                return Profile()
-
-            def build_serialized_network(self, network, config):
-                return b"ENGINE"
-
-        self.Logger, self.Builder, self.OnnxParser = Logger, Builder, Parser
-        self.NetworkDefinitionCreationFlag = types.SimpleNamespace()
-        self.MemoryPoolType = types.SimpleNamespace(WORKSPACE=0)
-        self.BuilderFlag = types.SimpleNamespace(FP16="FP16", BF16="BF16", FP8="FP8")
-        self.get_plugin_registry = lambda: Registry()
-        self.init_libnvinfer_plugins = lambda logger, ns: fake.calls.append(("init_libnvinfer_plugins", ns))
+def test_an_unknown_dimension_name_is_refused(cli, tmp_path):
+    folder = write_export(tmp_path / "onnx", mask_dim="kv_length")
+    code, _, err = cli("export", "engine", "--onnx", folder, "--out", tmp_path / "e", "--plan")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "'kv_length'" in err
 
 
-def test_build_sequence_with_a_stand_in_tensorrt(monkeypatch, cli, tmp_path, onnx_dir):
-    fake = FakeTensorRT()
-    monkeypatch.setitem(sys.modules, "tensorrt", fake)
+def test_an_onnxruntime_flavour_nvfp4_export_is_refused_naming_the_tensorrt_flavour(cli, tmp_path):
+    folder = write_export(tmp_path / "onnx", flavor="onnxruntime", quantized=True)
+    code, _, err = cli("export", "engine", "--onnx", folder, "--out", tmp_path / "e", "--plan")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--flavor tensorrt" in err and "BitShift" in err
+
+
+def set_shapes(trt):
+    return {c[1]: c[2:] for c in trt.calls if c[0] == "set_shape"}
+
+
+@pytest.mark.parametrize("release", ["10.0", "10.8", "11.1"])
+def test_profiles_from_named_dims_and_serving_limits(monkeypatch, cli, tmp_path, onnx_dir, release):
+    trt = stand_in(release)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    code, out, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e", "--max-batch", "8",
+                         "--max-seq-len", "64", "--draft-depth", "3", "--device-memory", "80")
+    assert code == 0, err
+    shapes = [c[1:] for c in trt.calls if c[0] == "set_shape"]
+    # target: prefill (whole prompt, empty cache) then decode (depth + 1 tokens on up to 63 cached)
+    assert ("past_key_0", [1, 2, 0, 8], [1, 2, 0, 8], [8, 2, 0, 8]) in shapes
+    assert ("input_ids", [1, 1], [1, 64], [8, 64]) in shapes
+    assert ("input_ids", [1, 1], [8, 4], [8, 4]) in shapes
+    assert ("past_key_0", [1, 2, 0, 8], [8, 2, 32, 8], [8, 2, 63, 8]) in shapes
+    # the mask spans past + new tokens
+    assert ("attention_mask", [1, 1], [8, 36], [8, 67]) in shapes
+    # drafter_next: one token per call
+    assert ("input_ids", [1, 1], [8, 1], [8, 1]) in shapes
+    assert sum(c[0] == "add_optimization_profile" for c in trt.calls) == 3  # target 2, drafter_next 1
+    record = json.loads((tmp_path / "e" / "engines.json").read_text())
+    assert record["strongly_typed"] is (release == "11.1")
+    assert [p["name"] for p in record["engines"]["target.onnx"]["profiles"]] == ["prefill", "decode"]
+    # the estimate: at most the two caches of the decode profile's largest shape, and the mask, are alive
+    assert "profile decode (batch 1..8..8, sequence 1..4..4, past_sequence 0..32..63)" in out
+
+
+def test_tensorrt_11_has_no_precision_flags(monkeypatch, cli, tmp_path, onnx_dir):
+    """TensorRT 11's BuilderFlag has no FP16 (pyCore.cpp 11.1): the graphs' dtype is the precision."""
+    trt = stand_in("11.1")
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e", "--fp16",
+                       "--device-memory", "80")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "strongly typed" in err and "--dtype fp16" in err
+    assert not (tmp_path / "e").exists()
+    code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e", "--device-memory", "80")
+    assert code == 0, err
+    assert not [c for c in trt.calls if c[0] == "set_flag"]
+
+
+def test_tensorrt_10_sets_the_precision_flag(monkeypatch, cli, tmp_path, onnx_dir):
+    trt = stand_in("10.8")
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
     library = tmp_path / "libeagle31_plugins.so"
     library.write_bytes(b"\x7fELF")
-    code, out, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e",
-                         "--plugins", library, "--fp16", "--max-tokens", "512")
+    code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e", "--plugins", library,
+                       "--fp16", "--device-memory", "80")
     assert code == 0, err
-    assert fake.calls[0] == ("init_libnvinfer_plugins", "")
-    assert ("load_library", str(library)) in fake.calls
-    assert ("parse_from_file", str(onnx_dir / "drafter_step.onnx")) in fake.calls
-    assert ("set_flag", "FP16") in fake.calls
-    assert ("set_shape", "hidden", [1, 64], [64, 64], [512, 64]) in fake.calls
-    assert (tmp_path / "e" / "drafter_step.engine").read_bytes() == b"ENGINE"
+    assert trt.calls[1] == ("init_libnvinfer_plugins", "")
+    assert ("load_library", str(library)) in trt.calls
+    assert ("set_flag", "BuilderFlag.FP16") in trt.calls
+    assert ("parse_from_file", str(onnx_dir / "target.onnx")) in trt.calls
     record = json.loads((tmp_path / "e" / "engines.json").read_text())
-    assert record["precision"] == "fp16" and record["eagle31_plugins_registered"] == ["eagle31::Eagle31FcNorm"]
-    assert (tmp_path / "e" / "manifest.json").is_file()
+    assert record["precision"] == "fp16" and record["eagle31_plugins_registered"] == [
+        "eagle31::Eagle31FcNorm", "eagle31::Eagle31PostNormFeedback"]
+    assert (tmp_path / "e" / "target.engine").read_bytes() == b"ENGINE"
+
+
+def test_memory_beyond_the_device_is_refused_with_the_estimate(cli, tmp_path, onnx_dir):
+    code, out, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e", "--max-batch", "64",
+                         "--max-seq-len", "64", "--workspace", "0", "--device-memory", "0.0001")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "exceeds" in err and "--max-batch" in err and "activations" in err
+    assert "activations about" in out
+    assert not (tmp_path / "e").exists()
+
+
+def test_plugins_on_a_parser_that_prefers_local_functions_warn(monkeypatch, cli, tmp_path):
+    folder = write_export(tmp_path / "onnx")
+    model = onnx.load(folder / "drafter_next.onnx")
+    model.graph.node.append(helper.make_node("Eagle31PostNormFeedback", ["ids_out"], ["unused"], domain="eagle31",
+                                             plugin_namespace="eagle31"))
+    model.opset_import.append(helper.make_opsetid("eagle31", 1))
+    onnx.save(model, folder / "drafter_next.onnx")
+    monkeypatch.setitem(sys.modules, "tensorrt", stand_in("10.1"))
+    code, _, err = cli("export", "engine", "--onnx", folder, "--out", tmp_path / "e", "--device-memory", "80")
+    assert code == 0, err
+    warning = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "10.7" in warning[0] and "model-local functions" in warning[0]
+    monkeypatch.setitem(sys.modules, "tensorrt", stand_in("10.8"))
+    code, _, err = cli("export", "engine", "--onnx", folder, "--out", tmp_path / "e2", "--device-memory", "80")
+    assert code == 0 and "warning" not in err, err
 
 
 def test_missing_plugin_library(monkeypatch, cli, tmp_path, onnx_dir):
-    monkeypatch.setitem(sys.modules, "tensorrt", FakeTensorRT())
+    monkeypatch.setitem(sys.modules, "tensorrt", stand_in("10.8"))
     code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e",
-                       "--plugins", tmp_path / "missing.so")
+                       "--plugins", tmp_path / "missing.so", "--device-memory", "80")
     assert code == 2 and "plugin library not found" in err
     assert not (tmp_path / "e").exists()

@@ -223,6 +223,41 @@ CAPABILITIES: tuple[Capability, ...] = (
 )
 
 
+# ---- TensorRT: what its ONNX parser does with our graphs, by release ----------------------------
+# Not drafter features: properties of the exported graphs that `export engine` checks against the
+# installed TensorRT (docs/runtime-capabilities.md, "TensorRT").
+
+TRT_PLUGINS = "trt_plugins"
+TRT_FP4 = "trt_fp4"
+TENSORRT_FEATURES: dict[str, str] = {
+    TRT_PLUGINS: "the Eagle31 plugins for nodes that also have a model-local function",
+    TRT_FP4: "NVFP4 graphs (FLOAT4E2M1 weights, TRT_FP4DynamicQuantize activations)",
+}
+_ORT_IMPORTER = "onnx/onnx-tensorrt ModelImporter.cpp (parseNode); NVIDIA/TensorRT CHANGELOG.md"
+TENSORRT_CAPABILITIES: tuple[Capability, ...] = (
+    Capability("tensorrt", TRT_PLUGINS, _ORT_IMPORTER,
+               "onnx-tensorrt branches 10.0-GA and 10.1-GA: a node whose op_type names a model-local function is "
+               "imported as that function before any plugin lookup; CHANGELOG 10.7.0 (Parser): 'Now prioritizes "
+               "using plugins over local functions when a corresponding plugin is available in the registry'; "
+               "10.2-10.6 not read in code; from 10.15 (kENABLE_PLUGIN_OVERRIDE) a node carrying plugin_namespace, "
+               "as ours do, takes a registered plugin first", first="10.7"),
+    Capability("tensorrt", TRT_FP4, "NVIDIA/TensorRT include/NvInfer.h (addDynamicQuantize); CHANGELOG.md",
+               "addDynamicQuantize absent from the release/10.7 header, present in release/10.8; CHANGELOG 10.8.0 "
+               "(Parser): 'Added support for FLOAT4E2M1 types for quantized networks'", first="10.8"),
+)
+
+
+def tensorrt_problems(version: str, features: Iterable[str]) -> dict[str, str]:
+    """feature -> why TensorRT `version` would not do it (one line each); {} when it does all."""
+    v = parse_version(version)
+    problems = {}
+    for row in TENSORRT_CAPABILITIES:
+        if row.feature in features and row.refuses(v):
+            problems[row.feature] = (f"TensorRT {version} lacks {TENSORRT_FEATURES[row.feature]}: it needs "
+                                     f"TensorRT {row.minimum} ({row.source})")
+    return problems
+
+
 # ---- what a drafter needs -------------------------------------------------------------------
 
 def required_features(cfg: DrafterConfig, target_quant_format: str | None) -> set[str]:
