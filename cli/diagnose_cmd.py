@@ -45,7 +45,11 @@ def diagnose(
     from eagle31_export.parity.diagnose import diagnose as run_diagnose
     from eagle31_export.parity.diagnose_report import fc_input_line, table, write_diagnose
 
+    from eagle31_export.formats.outputs import check_consumed
+
     inputs = [drafter, target, capture, prompts]
+    check_consumed(drafter, given=["target"] if target is not None else [])  # an `export onnx` folder
+    check_consumed(capture)
     if out is not None:
         check_output(out, force, inputs)  # before the run, not after it
     with ProgressDisplay("diagnose") as display:

@@ -99,6 +99,11 @@ def speculate(
         raise UserError("pass --target or --capture, not both")
     if onnx_dir is not None and bundle is not None:
         raise UserError("pass --onnx (onnxruntime) or --bundle (vllm), not both")
+    from eagle31_export.formats.outputs import check_consumed
+
+    given = [role for role, value in (("drafter", drafter), ("target", target)) if value is not None]
+    for output in (onnx_dir or bundle, capture, drafter):  # outputs of this tool, checked before loading
+        check_consumed(output, given if output is not drafter else ())
     options = LoadOptions(dtype=parse_dtype(dtype), act_quant=act_quant, kernels=kernels, chain=chain,
                           device=resolve_device(device, runtime), depth=depth,
                           **vllm_options(vllm, port, engine_timeout))

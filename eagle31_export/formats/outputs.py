@@ -391,3 +391,28 @@ def check_artifacts(folder: PathLike, references: Iterable[str] | None = None) -
         more = f" ({d.detail})" if d.detail else ""
         raise UserError(f"{folder}: {d.path} {what}{more}; restore it or export again "
                         f"(`eagle31-export verify {folder}` lists every difference)")
+
+
+# Files only this tool's outputs hold (a serving bundle, an ONNX export, a capture), so that such
+# a folder without its manifest is not taken for a plain checkpoint.
+OUTPUT_MARKERS = ("bundle.json", "graphs.json", "capture.json")
+
+
+def check_consumed(folder: PathLike | None, given: Iterable[str] = ()) -> None:
+    """The check every command runs on an output of this tool that it reads (a bundle, an ONNX
+    export, a repository, a capture) before loading anything from it: `check_artifacts`, so that a
+    changed byte is refused in one line naming the file and never gets a new manifest downstream.
+    `given`: roles of referenced folders the command takes from its own options instead (`target`
+    with --target), not checked; an ONNX export without a target graph still runs on its recorded
+    target. Folders this tool did not write (plain checkpoints) have nothing to be checked against."""
+    if folder is None:
+        return
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file() and not any((folder / m).is_file() for m in OUTPUT_MARKERS):
+        return
+    manifest = read_manifest(folder)  # refuses a marked folder whose manifest is gone
+    graphs = folder / "graphs.json"
+    needs_target = graphs.is_file() and "no_target_graph" in graphs.read_text(encoding="utf-8", errors="replace")
+    skip = {role for role in given if not (role == "target" and needs_target)}
+    roles = [role for role in (manifest.get("references") or {}) if role not in skip]
+    check_artifacts(folder, references=roles)

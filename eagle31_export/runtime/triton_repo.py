@@ -28,7 +28,7 @@ import yaml
 from eagle31_export.errors import UserError
 from eagle31_export.export.bundle import copy_target as copy_checkpoint
 from eagle31_export.export.bundle import read_bundle, read_bundle_drafter, write_drafter_files
-from eagle31_export.formats.outputs import atomic_output_dir, check_output
+from eagle31_export.formats.outputs import atomic_output_dir, check_consumed, check_output
 from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.safetensors_io import write_json
 from eagle31_export.runtime.registry import DEFAULT_SERVING_RUNTIME, RUNTIMES, runtime_named
@@ -114,6 +114,7 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, flavor: str
     if flavor not in FLAVORS:
         raise UserError(f"unknown --flavor {flavor!r}; choose one of {', '.join(FLAVORS)}")
     record = read_bundle(bundle)
+    check_consumed(bundle)  # a changed byte is refused here, never copied under a fresh manifest
     if flavor == "trtllm" and record["kind"] != "trtllm":
         raise UserError(f"--flavor trtllm needs a bundle from `export trtllm`; {bundle} is a {record['kind']} bundle")
     bundle = Path(bundle).resolve()
