@@ -24,7 +24,10 @@ def onnx_cmd(
                                                                  "(and supplies the drafter's embeddings / lm_head)."),
     out: Path = typer.Option(..., "--out", help="Folder to write."),
     flavor: str = typer.Option("onnxruntime", "--flavor", help="NVFP4 target weights: tensorrt (FLOAT4E2M1 + "
-                                                               "DequantizeLinear) or onnxruntime (packed uint8 + local function)."),
+                                                               "DequantizeLinear, W4A16), tensorrt-w4a4 (also activations "
+                                                               "dynamically FP4-quantized: FP4 GEMMs on Blackwell, "
+                                                               "TensorRT >= 10.8) or onnxruntime (packed uint8 + local "
+                                                               "function)."),
     chain_depth: Optional[int] = typer.Option(None, "--chain-depth", min=1,
                                               help="Also export the greedy depth-N chain as one graph."),
     dtype: str = typer.Option("fp32", "--dtype", help="Compute dtype of the graphs: fp32, fp16 or bf16."),

@@ -36,6 +36,7 @@ from eagle31_export.export import onnx_plugins as P
 from eagle31_export.export.onnx_drafter import DrafterGraphWriter, SharedWeight
 from eagle31_export.export.onnx_graph import IR_VERSION, OPSET, ExternalWeights, io_description
 from eagle31_export.export.onnx_target import TargetGraphWriter
+from eagle31_export.export.onnx_w4a4 import W4A4, quantize_activations
 from eagle31_export.config import with_max_positions
 from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.outputs import atomic_output_dir, check_output
@@ -100,6 +101,8 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
     if draft_lm_head and ckpt.config.draft_vocab_size != ckpt.config.vocab_size:
         raise CheckpointError("the drafter has no lm_head; it needs the target's, with draft_vocab_size == vocab_size")
 
+    # W4A4 graphs quantize activations with the checkpoint's input scales (onnx_w4a4): read them first.
+    input_scales = Q.read_input_scales(target_path) if nvfp4 and options.flavor == W4A4 and no_graph is None else {}
     sources = {"drafter": _source(drafter_path, out, relative_sources),
                "target": _source(target_path, out, relative_sources)}
     with atomic_output_dir(out, force=force, inputs=[drafter_path, target_path], references=sources) as tmp:
@@ -150,7 +153,7 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
             meta["no_target_graph"] = no_graph  # runtimes verify with the reference target (source.target)
         elif target_writer is not None:
             with phases.phase("export_target"):
-                meta["target"] = _export_target(target_writer, aux_ids, nvfp4, options, tmp)
+                meta["target"] = _export_target(target_writer, aux_ids, nvfp4, options, tmp, input_scales)
         write_json(tmp / GRAPHS_JSON, meta)
     return Path(out)
 
@@ -229,14 +232,19 @@ def _packed_linears(model) -> dict[str, Q.Nvfp4Weight]:
             if all(isinstance(getattr(m, a, None), torch.Tensor) for a in ("weight_packed", "weight_scale", "weight_scale_2"))}
 
 
-def _export_target(writer: TargetGraphWriter, aux_ids, nvfp4, options: OnnxExportOptions, tmp: Path) -> dict:
-    entry = _save(writer.graph(), tmp / "target.onnx")
+def _export_target(writer: TargetGraphWriter, aux_ids, nvfp4, options: OnnxExportOptions, tmp: Path,
+                   input_scales: dict[str, float]) -> dict:
+    graph = writer.graph()
+    if nvfp4 and options.flavor == W4A4:
+        graph = quantize_activations(graph, input_scales)
+    entry = _save(graph, tmp / "target.onnx")
     entry.update({
         "model_type": writer.config.model_type,
         "num_layers": len(writer.layers),
         "aux_layer_ids": list(aux_ids),
         "vocab_size": int(writer.config.vocab_size),
-        "quantization": {"algo": "NVFP4", "modules": len(nvfp4), "flavor": options.flavor} if nvfp4 else None,
+        "quantization": {"algo": "NVFP4", "modules": len(nvfp4), "flavor": options.flavor,
+                         "activations": "nvfp4" if options.flavor == W4A4 else None} if nvfp4 else None,
         "kv_cache": _kv_meta(writer.kv_heads, writer.head_dim, writer.head_dim, len(writer.layers)),
         "max_positions": writer.max_positions,
     })

@@ -29,7 +29,8 @@ from onnx import FunctionProto, TensorProto, helper, numpy_helper
 from eagle31_export.errors import UserError
 from eagle31_export.export.onnx_graph import OPSET, GraphBuilder
 
-FLAVORS = ("tensorrt", "onnxruntime")
+FLAVORS = ("tensorrt", "tensorrt-w4a4", "onnxruntime")
+TENSORRT_FLAVORS = ("tensorrt", "tensorrt-w4a4")  # FLOAT4E2M1 weights; -w4a4 also quantizes activations (onnx_w4a4)
 BLOCK = 16
 OPS_DOMAIN = "eagle31.ops"  # helper functions that are not TensorRT plugins
 DEQUANTIZE = "Nvfp4Dequantize"
@@ -69,9 +70,11 @@ def dequantized_weight(g: GraphBuilder, module: str, w: Nvfp4Weight, flavor: str
     multiplies) the `onnxruntime` flavour dequantizes only once that is computed (`GraphBuilder.wait_for`),
     so that one dense weight at a time exists."""
     out_f, in_f = w.shape
+    if flavor in TENSORRT_FLAVORS:
+        w = positive_scales(w)
     scale = g.tensor(f"{module}.weight_scale", w.scale)
     scale_2 = g.tensor(f"{module}.weight_scale_2", w.scale_2.reshape(()))
-    if flavor == "tensorrt":
+    if flavor in TENSORRT_FLAVORS:
         fp4 = g.tensor_raw(f"{module}.weight", TensorProto.FLOAT4E2M1, [out_f, in_f],
                            w.packed.contiguous().numpy().tobytes())
         block_scale = g.op("DequantizeLinear", scale, scale_2)
@@ -81,6 +84,30 @@ def dequantized_weight(g: GraphBuilder, module: str, w: Nvfp4Weight, flavor: str
         return g.op(DEQUANTIZE, packed if after is None else g.wait_for(packed, after), scale, scale_2,
                     domain=OPS_DOMAIN)
     raise UserError(f"unknown --flavor {flavor!r}; choose one of {', '.join(FLAVORS)}")
+
+
+def positive_scales(w: Nvfp4Weight) -> Nvfp4Weight:
+    """A Linear with weight_scale_2 == 0 (an all-zero weight) as ModelOpt's ONNX export writes it: per-tensor
+    scale 1.0 (modelopt/onnx/quantization/quant_utils.py, get_weights_scaling_factor_2: "if
+    per_block_quant_scale == 0: per_block_quant_scale = 1.0"), block scales 1.0 and zero codes (what
+    quantizing zeros gives), since TensorRT's parser rejects a non-positive constant scale. The weight
+    stays all zeros (+0.0 where the checkpoint's codes gave -0.0)."""
+    if float(w.scale_2) > 0:
+        return w
+    return Nvfp4Weight(torch.zeros_like(w.packed), torch.ones(w.scale.shape, dtype=torch.float32).to(w.scale.dtype),
+                       torch.tensor(1.0, dtype=torch.float32))
+
+
+def read_input_scales(folder: str | os.PathLike) -> dict[str, float]:
+    """module -> input_scale (ModelOpt's convention) of every NVFP4 Linear; refused for a weight-only checkpoint."""
+    from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
+
+    scales = {name: info.input_scale for name, info in NVFP4Checkpoint.open(folder).linears.items()}
+    missing = [name for name, s in scales.items() if s is None]
+    if missing:
+        raise UserError(f"{folder}: --flavor tensorrt-w4a4 quantizes activations with the checkpoint's input scales, "
+                        f"and {missing[0]} has none (weight-only NVFP4); use --flavor tensorrt (W4A16)")
+    return scales
 
 
 def dequantize_function() -> FunctionProto:

@@ -174,6 +174,7 @@ def activation_estimate(model: onnx.ModelProto, shapes: dict[str, list[int]], un
     `unknown_dim` (in our graphs only cache lengths computed at run time are)."""
     concrete = onnx.ModelProto()
     concrete.CopyFrom(model)
+    _standard_stand_ins(concrete.graph)
     for value in concrete.graph.input:
         if value.name in shapes:
             for d, n in zip(value.type.tensor_type.shape.dim, shapes[value.name]):
@@ -216,6 +217,19 @@ def activation_estimate(model: onnx.ModelProto, shapes: dict[str, list[int]], un
     activations = {n: s for n, s in sizes.items() if n not in constant}
     biggest = max(activations, key=activations.get) if activations else ""
     return peak, (f"{described[biggest]} = {gib(activations[biggest])}" if biggest else ""), unshaped
+
+
+def _standard_stand_ins(g: onnx.GraphProto) -> None:
+    """Shape inference knows no `trt::TRT_FP4DynamicQuantize` (onnx_w4a4): for the estimate only, its
+    outputs become Casts of its input to their types (the FP4 values' shape is exact; the block
+    scales are counted 16 times over, a small tensor)."""
+    for i, node in enumerate(list(g.node)):
+        if node.op_type == "TRT_FP4DynamicQuantize":
+            g.node.remove(node)
+            g.node.insert(i, onnx.helper.make_node("Cast", [node.input[0]], [node.output[1]],
+                                                   to=TensorProto.FLOAT8E4M3FN))
+            g.node.insert(i, onnx.helper.make_node("Cast", [node.input[0]], [node.output[0]],
+                                                   to=TensorProto.FLOAT4E2M1))
 
 
 def plan_graph(path: Path, role: str, limits: ServingLimits) -> GraphPlan:
