@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eagle31_export.formats.outputs import MANIFEST, write_manifest
 from eagle31_export.formats.drafter import write_drafter
 
 VOCAB = 256  # the session target's vocabulary
@@ -69,6 +70,14 @@ def edit_config(folder: Path, fn: Callable[[dict], object], file: str = "config.
     obj = json.loads(path.read_text())
     new = fn(obj)  # edits in place, or returns a list to store instead
     path.write_text(json.dumps(new if isinstance(new, list) else obj))
+    return folder
+
+
+def as_written(folder: Path) -> Path:
+    """The folder's manifest rewritten over its current files: an output that was written broken
+    (by a bug, or an older version), which passes the manifest check and must be refused on what it holds."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    write_manifest(folder, {role: ref["path"] for role, ref in (manifest.get("references") or {}).items()})
     return folder
 
 
@@ -541,22 +550,30 @@ def _(e):
     o = e.copy("onnx")
     data = o / "drafter.onnx.data"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    return ["speculate", "--runtime", "onnxruntime", "--onnx", as_written(o), "--target", e.fixtures["target"],
+            "--prompt-ids", "1,2", "--max-new-tokens", "3"], [o]
+@case("artifacts", "onnx-graph-changed-byte", "drafter_next.onnx changed since it was written")
+def _(e):
+    o = e.copy("onnx")
+    data = bytearray((o / "drafter_next.onnx").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (o / "drafter_next.onnx").write_bytes(bytes(data))
     return ["speculate", "--runtime", "onnxruntime", "--onnx", o, "--target", e.fixtures["target"],
             "--prompt-ids", "1,2", "--max-new-tokens", "3"], [o]
 @case("artifacts", "onnx-graph-garbage", "Protobuf parsing failed")
 def _(e):
     o = e.copy("onnx")
     (o / "drafter_next.onnx").write_bytes(b"garbage")
-    return ["speculate", "--runtime", "onnxruntime", "--onnx", o, "--target", e.fixtures["target"],
+    return ["speculate", "--runtime", "onnxruntime", "--onnx", as_written(o), "--target", e.fixtures["target"],
             "--prompt-ids", "1,2", "--max-new-tokens", "3"], [o]
 @case("artifacts", "graphs-json-lacks-field", "field drafter.kv_cache.heads is None")
 def _(e):
-    o = edit_config(e.copy("onnx"), lambda m: m["drafter"]["kv_cache"].pop("heads"), "graphs.json")
+    o = as_written(edit_config(e.copy("onnx"), lambda m: m["drafter"]["kv_cache"].pop("heads"), "graphs.json"))
     return ["speculate", "--runtime", "onnxruntime", "--onnx", o, "--target", e.fixtures["target"],
             "--prompt-ids", "1,2"], [o]
 @case("artifacts", "graphs-json-is-a-list", "a JSON list; expected an object")
 def _(e):
-    o = edit_config(e.copy("onnx"), lambda m: [m], "graphs.json")
+    o = as_written(edit_config(e.copy("onnx"), lambda m: [m], "graphs.json"))
     return ["speculate", "--runtime", "onnxruntime", "--onnx", o, "--prompt-ids", "1,2"], [o]
 @case("artifacts", "onnx-prompt-id-past-vocabulary", "outside the target's vocabulary")
 def _(e):

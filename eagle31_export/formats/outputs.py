@@ -404,12 +404,12 @@ def check_consumed(folder: PathLike | None, given: Iterable[str] = ()) -> None:
     changed byte is refused in one line naming the file and never gets a new manifest downstream.
     `given`: roles of referenced folders the command takes from its own options instead (`target`
     with --target), not checked; an ONNX export without a target graph still runs on its recorded
-    target. Folders this tool did not write (plain checkpoints) have nothing to be checked against."""
+    target. Checkpoints are not outputs in this sense: their readers check what they hold."""
     if folder is None:
         return
     folder = Path(folder)
-    if not (folder / MANIFEST).is_file() and not any((folder / m).is_file() for m in OUTPUT_MARKERS):
-        return
+    if not any((folder / m).is_file() for m in OUTPUT_MARKERS):
+        return  # a checkpoint (also one `convert` or `quantize` wrote): read and checked for what it holds
     manifest = read_manifest(folder)  # refuses a marked folder whose manifest is gone
     graphs = folder / "graphs.json"
     needs_target = graphs.is_file() and "no_target_graph" in graphs.read_text(encoding="utf-8", errors="replace")
