@@ -173,3 +173,12 @@ def test_act_quant_on_plain_checkpoint_is_refused(tmp_path):
     plain = make_target(tmp_path / "plain", "llama", seed=1, num_layers=2)
     with pytest.raises(CheckpointError, match="needs an NVFP4 checkpoint"):
         load_causal_lm(plain, act_quant=True)
+
+
+def test_packed_weight_stored_as_int8_names_the_dtype_not_a_missing_tensor(ckpt, tmp_path):
+    """A packed weight in another integer dtype is there: the message says what it is and what NVFP4 needs."""
+    edit_tensors(ckpt, lambda t: t.__setitem__(f"{Q}.weight", t[f"{Q}.weight"].view(torch.int8)))
+    assert_rejected(ckpt, f"{Q}.weight is I8 [", "stores it as uint8 [out, in/2]", tmp_path=tmp_path)
+    with pytest.raises(CheckpointError) as err:
+        inspect_target(ckpt)
+    assert "is missing" not in str(err.value)

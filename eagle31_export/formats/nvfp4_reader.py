@@ -168,6 +168,12 @@ class NVFP4Checkpoint:
         required = ["packed", "scale", "global"] + (["input"] if s.act_quant else [])
         for module, found in sorted(by_module.items()):
             for role in required:
+                stored = f"{module}.{roles[role]}"
+                if role not in found and stored in self.headers:  # present, but not as NVFP4 stores it
+                    dtype, shape = self.headers[stored]
+                    raise CheckpointError(f"{self._where(stored)}: {stored} is {dtype} {shape}; an NVFP4 Linear "
+                                          "stores it as uint8 [out, in/2] (two 4-bit values per byte): re-export "
+                                          "the checkpoint, or exclude the module from quantization")
                 if role not in found:
                     present = ", ".join(sorted(n.rpartition(".")[2] for n in found.values()))
                     anchor = self._where(next(iter(found.values())))
