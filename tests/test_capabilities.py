@@ -196,3 +196,19 @@ def test_any_distribution_providing_the_vllm_package_counts(monkeypatch):
     with pytest.raises(UserError, match=r"vLLM 0\.30\.1 \(installed\)"):
         caps.check_runtime("vllm", {caps.MLA})
 
+
+
+# TensorRT: (feature, too old, first that does it) as docs/runtime-capabilities.md, "TensorRT", states them
+TENSORRT_CELLS = [(caps.TRT_PLUGINS, "10.1.0", "10.7.0"), (caps.TRT_PLUGINS, "10.6.0.26", "10.15.1"),
+                  (caps.TRT_FP4, "10.7.0", "10.8.0.43")]
+
+
+def test_every_tensorrt_row_has_a_case():
+    assert {c.feature for c in caps.TENSORRT_CAPABILITIES} == {f for f, *_ in TENSORRT_CELLS}
+
+
+@pytest.mark.parametrize("feature,too_old,new_enough", TENSORRT_CELLS)
+def test_tensorrt_thresholds(feature, too_old, new_enough):
+    problems = caps.tensorrt_problems(too_old, {feature})
+    assert list(problems) == [feature] and too_old in problems[feature]
+    assert caps.tensorrt_problems(new_enough, {feature}) == {}
