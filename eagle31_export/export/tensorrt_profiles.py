@@ -184,11 +184,14 @@ def activation_estimate(model: onnx.ModelProto, shapes: dict[str, list[int]], un
     g = inferred.graph
     sizes: dict[str, float] = {}
     described: dict[str, str] = {}
+    guessed: set[str] = set()
     for value in [*g.input, *g.value_info, *g.output]:
         t = value.type.tensor_type
         if not t.HasField("shape"):
             continue
         dims = [d.dim_value if d.HasField("dim_value") else unknown_dim for d in t.shape.dim]
+        if not all(d.HasField("dim_value") for d in t.shape.dim):
+            guessed.add(value.name)
         sizes[value.name] = _count(dims) * _ELEM_BYTES.get(t.elem_type, 4)
         described[value.name] = f"{value.name} {dims} {TensorProto.DataType.Name(t.elem_type).lower()}"
     constant = {t.name for t in g.initializer}
@@ -216,20 +219,27 @@ def activation_estimate(model: onnx.ModelProto, shapes: dict[str, list[int]], un
                 live.pop(name, None)
     activations = {n: s for n, s in sizes.items() if n not in constant}
     biggest = max(activations, key=activations.get) if activations else ""
+    unshaped += len(guessed - constant)  # sized with `unknown_dim`: the estimate is then an upper bound
     return peak, (f"{described[biggest]} = {gib(activations[biggest])}" if biggest else ""), unshaped
 
 
 def _standard_stand_ins(g: onnx.GraphProto) -> None:
     """Shape inference knows no `trt::TRT_FP4DynamicQuantize` (onnx_w4a4): for the estimate only, its
-    outputs become Casts of its input to their types (the FP4 values' shape is exact; the block
-    scales are counted 16 times over, a small tensor)."""
+    outputs become standard ops of the same shapes and types: a Cast of its input to FP4, and every
+    16th element along the blocked axis cast to FP8 for the block scales."""
+    if not any(n.op_type == "TRT_FP4DynamicQuantize" for n in g.node):
+        return
+    helper = onnx.helper
+    for name, value in (("estimate/start", 0), ("estimate/end", 2**62), ("estimate/axis", -1), ("estimate/step", 16)):
+        g.initializer.append(onnx.numpy_helper.from_array(__import__("numpy").array([value], "int64"), name))
     for i, node in enumerate(list(g.node)):
         if node.op_type == "TRT_FP4DynamicQuantize":
+            x, (values, scales) = node.input[0], node.output
             g.node.remove(node)
-            g.node.insert(i, onnx.helper.make_node("Cast", [node.input[0]], [node.output[1]],
-                                                   to=TensorProto.FLOAT8E4M3FN))
-            g.node.insert(i, onnx.helper.make_node("Cast", [node.input[0]], [node.output[0]],
-                                                   to=TensorProto.FLOAT4E2M1))
+            g.node.insert(i, helper.make_node("Cast", [f"{scales}/every_16th"], [scales], to=TensorProto.FLOAT8E4M3FN))
+            g.node.insert(i, helper.make_node("Slice", [x, "estimate/start", "estimate/end", "estimate/axis",
+                                                        "estimate/step"], [f"{scales}/every_16th"]))
+            g.node.insert(i, helper.make_node("Cast", [x], [values], to=TensorProto.FLOAT4E2M1))
 
 
 def plan_graph(path: Path, role: str, limits: ServingLimits) -> GraphPlan:
