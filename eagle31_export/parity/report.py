@@ -144,35 +144,45 @@ def plots(report: ParityReport, folder: Path) -> list[Path]:
 
 
 def _per_depth_plot(report: ParityReport, path: Path) -> Path:
-    """Agreement and fed-back state RMS per draft depth, both sides: a runtime that feeds back the
-    wrong state (pre- instead of post-norm) draws a different RMS curve (log scale: the two differ
-    by the hidden state's magnitude)."""
+    return _save(per_depth_figure(report), path)
+
+
+def per_depth_figure(report: ParityReport):
+    """Agreement and fed-back state RMS per draft depth, both sides. The RMS is drawn relative to the
+    reference's at depth 1, as `diagnose` draws it, on a linear axis spanning at least 0.9..1.2 with
+    no offset: a flat column in the table is a flat line, and a runtime that feeds back the wrong
+    state (pre- instead of post-norm) stands apart by the ratio of the two magnitudes."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     depth = list(range(1, report.depth + 1))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     sides = (("reference", report.per_depth["reference"], "o-"),
              (report.runtime, report.per_depth["runtime"], "x--"))
+    base = next((data["fed_back_rms"][0] for _, data, _ in sides if "unavailable" not in data), None)
+    seen = []
     for label, data, style in sides:
         if "unavailable" in data:
             continue
         left.plot(depth, data["agreement"], style, label=label)
-        right.plot(depth, data["fed_back_rms"], style, label=label)
+        relative = [v / base for v in data["fed_back_rms"]] if base else data["fed_back_rms"]
+        right.plot(depth, relative, style, label=label)
+        seen += relative
     left.set(xlabel="draft depth", ylabel="agreement with the target", ylim=(0, 1.05), xticks=depth,
              title="Teacher-forced agreement per depth")
-    right.set(xlabel="draft depth", ylabel="RMS", yscale="log", xticks=depth,
+    right.axhline(1.0, color="grey", lw=0.8)
+    if seen:
+        right.set_ylim(min(0.9, min(seen) * 0.95), max(1.2, max(seen) * 1.05))
+    right.yaxis.set_major_formatter(ScalarFormatter(useOffset=False))
+    right.set(xlabel="draft depth", ylabel="RMS relative to the reference at depth 1", xticks=depth,
               title="State fed back into the next step")
-    from matplotlib.ticker import ScalarFormatter
-
-    for axis in (right.yaxis.set_major_formatter, right.yaxis.set_minor_formatter):
-        axis(ScalarFormatter())
     for ax in (left, right):
         if ax.lines:
             ax.legend()
     missing = [f"{label}: {data['unavailable']}" for label, data, _ in sides if "unavailable" in data]
     if missing:
         fig.text(0.01, 0.01, "not measured: " + "; ".join(missing)[:200], fontsize=7, color="grey")
-    return _save(fig, path)
+    return fig
 
 
 def _pooled(report: ParityReport, side: str, pos: int) -> float:
