@@ -38,7 +38,8 @@ from eagle31_export.runtime.triton_client import stream  # noqa: E402
 from eagle31_export.runtime.triton_repo import GENERATE_MODEL, SPECULATE_MODEL, export_triton  # noqa: E402
 from eagle31_export.runtime.triton_server import TritonServer, free_ports  # noqa: E402
 from eagle31_export.runtime.triton_service import (  # noqa: E402
-    INTERNAL_ERROR, RequestError, SpeculationService, client_error, tag_status, untag_status)
+    INTERNAL_ERROR, RequestError, SpeculationService, client_error)
+from eagle31_export.runtime.triton_status import tag_status, untag_status  # noqa: E402
 from test_triton_server import VOCAB, install_trtllm_stand_in, make_bigram_pair  # noqa: E402
 
 POSITIONS = 512  # the bigram pair's max_position_embeddings: the exported graphs' rope tables

@@ -16,7 +16,7 @@ per-sequence positions, cache lengths and padding, and parity at concurrency C c
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -46,7 +46,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._members = 0
         self._pending: list[_Call] = []
-        self.batch_sizes: list[int] = []  # every batched call's size, in order (what the batching did)
+        self.batch_sizes: Counter[int] = Counter()  # batched calls per size: what the batching did
 
     @contextmanager
     def member(self):
@@ -84,7 +84,7 @@ class Batcher:
         self._cond.notify_all()
 
     def _run_group(self, calls: list[_Call]) -> None:
-        self.batch_sizes.append(len(calls))
+        self.batch_sizes[len(calls)] += 1
         try:
             results = calls[0].run([c.item for c in calls])
         except BaseException as err:  # every sequence of the failed call hears of it; the others go on

@@ -133,6 +133,7 @@ class RemoteSpeculator(Speculator):
     the observer afterwards (without draft logits, which do not leave the server)."""
 
     name = "triton"
+    serves_concurrently = True  # one HTTP request per run; the `cpu` repository batches those in flight
 
     def __init__(self, http_url: str):
         self.url = http_url

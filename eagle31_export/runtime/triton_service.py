@@ -28,6 +28,7 @@ from eagle31_export.formats.tokenizer import load_tokenizer
 from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
 from eagle31_export.runtime.registry import LoadOptions, PairSource, Speculator, load_speculator
 
+
 PAIR_FILE = "pair.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 MAX_DRAFT_TOKENS = 16  # num_draft_tokens above this (or the pair's max_draft_len, if larger) is refused
@@ -47,29 +48,6 @@ def client_error(err: BaseException) -> tuple[str, bool]:
         text = str(err).strip()
         return (text.splitlines()[0] if text else "invalid request"), True
     return INTERNAL_ERROR, False
-
-
-# Triton's python backend (at least the one nvidia-pytriton ships) drops an error's status code on
-# the way back through BLS: the generate front would see every error as INTERNAL. So the front marks
-# its BLS requests with this request parameter, and the speculation model then prefixes its error
-# messages with the status (`tag_status`); the front strips it (`untag_status`). Clients talking
-# to the speculation model directly never see the prefix.
-STATUS_PARAMETER = "eagle31_status_in_message"
-_STATUS_TAGS = {True: "INVALID_ARG", False: "INTERNAL"}
-
-
-def tag_status(message: str, client_fault: bool) -> str:
-    return f"{_STATUS_TAGS[client_fault]}|{message}"
-
-
-def untag_status(message: str) -> tuple[str, bool | None]:
-    """(message, client at fault) from a tagged message; (message, None) when it carries no tag
-    (an error the speculation model did not compose: the caller treats it as internal)."""
-    tag, sep, rest = message.partition("|")
-    for client_fault, name in _STATUS_TAGS.items():
-        if sep and tag == name:
-            return rest, client_fault
-    return message, None
 
 
 @dataclass(frozen=True)

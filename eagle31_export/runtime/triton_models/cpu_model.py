@@ -5,6 +5,10 @@ Triton's python stub, with the interpreter (and packages) first on PATH. Decoupl
 response per speculation round when `streaming` is true (the tokens that round committed),
 else one response; the last response carries the acceptance statistics.
 
+Requests run concurrently: `execute` hands each to a thread of its own and returns (a decoupled
+model answers through its response senders), so the requests in flight meet in the runtime's
+batched backend calls (`runtime/batching.py`) as in a serving engine, instead of queueing.
+
 Every request is checked before it runs (`SpeculationService.parse`). A request the pair cannot
 run gets INVALID_ARG (HTTP 400) with one line naming the input; any other failure gets INTERNAL
 (HTTP 500) with one generic line, and the detail goes to the server log only.
@@ -12,13 +16,15 @@ run gets INVALID_ARG (HTTP 400) with one line naming the input; any other failur
 
 import json
 import os
+import threading
 import traceback
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from eagle31_export.reference.statistics import statistics
-from eagle31_export.runtime.triton_service import STATUS_PARAMETER, SpeculationService, client_error, tag_status
+from eagle31_export.runtime.triton_service import SpeculationService, client_error
+from eagle31_export.runtime.triton_status import STATUS_PARAMETER, tag_status
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUTS = ("input_ids", "text_input", "max_tokens", "num_draft_tokens", "stop_token_ids", "temperature", "seed",
@@ -44,24 +50,54 @@ class TritonPythonModel:
         pair_dir = os.path.join(os.path.dirname(__file__), params.get("pair_dir", "pair"))
         self.service = SpeculationService.from_dir(pair_dir)  # runtime named in pair.json
         self.default_max_tokens = int(params.get("default_max_tokens", "64"))
+        self.in_flight = set()
+        self.lock = threading.Lock()
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
-            try:
-                self._generate(request, sender)
-            except Exception as err:  # the model stays up; the client gets one line
-                message, client_fault = client_error(err)
-                if not client_fault:  # the detail stays on the server
-                    pb_utils.Logger.log_error(f"eagle31_speculate: {traceback.format_exc()}")
-                code = pb_utils.TritonError.INVALID_ARG if client_fault else pb_utils.TritonError.INTERNAL
-                if _parameters(request).get(STATUS_PARAMETER):  # the generate front: status travels in the text
-                    message = tag_status(message, client_fault)
-                try:
-                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
-                except Exception:  # e.g. the final response had already gone out; nothing more to send
-                    pb_utils.Logger.log_error(f"eagle31_speculate: cannot send the error: {traceback.format_exc()}")
+            thread = threading.Thread(target=self._serve, args=(request,), daemon=True, name="eagle31-request")
+            with self.lock:
+                self.in_flight.add(thread)
+            thread.start()
         return None
+
+    def finalize(self):
+        with self.lock:
+            running = list(self.in_flight)
+        for thread in running:  # the requests in flight finish before the model unloads
+            thread.join()
+
+    def _serve(self, request):
+        try:
+            self._answer(request)
+        finally:
+            with self.lock:
+                self.in_flight.discard(threading.current_thread())
+                self._log_batching()
+
+    def _log_batching(self):
+        """One log line each time the largest batched call grows: what the load made of the batching."""
+        sizes = getattr(getattr(self.service.speculator, "batcher", None), "batch_sizes", None)
+        largest = max(sizes, default=0) if sizes else 0
+        if largest > getattr(self, "largest_batch", 1):
+            self.largest_batch = largest
+            pb_utils.Logger.log_info(f"eagle31_speculate: largest batched call so far: {largest} sequences")
+
+    def _answer(self, request):
+        sender = request.get_response_sender()
+        try:
+            self._generate(request, sender)
+        except Exception as err:  # the model stays up; the client gets one line
+            message, client_fault = client_error(err)
+            if not client_fault:  # the detail stays on the server
+                pb_utils.Logger.log_error(f"eagle31_speculate: {traceback.format_exc()}")
+            code = pb_utils.TritonError.INVALID_ARG if client_fault else pb_utils.TritonError.INTERNAL
+            if _parameters(request).get(STATUS_PARAMETER):  # the generate front: status travels in the text
+                message = tag_status(message, client_fault)
+            try:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
+            except Exception:  # e.g. the final response had already gone out; nothing more to send
+                pb_utils.Logger.log_error(f"eagle31_speculate: cannot send the error: {traceback.format_exc()}")
 
     def _generate(self, request, sender):
         checked = self.service.parse({name: _input(request, name) for name in INPUTS}, self.default_max_tokens)

@@ -1,0 +1,61 @@
+"""The Triton `cpu` repository under load, on a REAL Triton server (nvidia-pytriton's tritonserver):
+`parity --runtime triton --concurrency 4,16` over plain HTTP requests, exact (fp32) for the tiny
+pair's EAGLE 3.1 and EAGLE-3 drafters. The speculation model serves the requests in flight together
+(batched backend calls with per-sequence positions, cache lengths and padding masks), and says in the
+server log how large its batched calls grew.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pytriton", reason="nvidia-pytriton (bundles tritonserver) is not installed")
+pytest.importorskip("tritonclient.http", reason="tritonclient[http] is not installed")
+
+from eagle31_export.export.trtllm import export_trtllm  # noqa: E402
+from eagle31_export.runtime.triton_repo import export_triton  # noqa: E402
+from eagle31_export.runtime.triton_server import TritonServer, free_ports  # noqa: E402
+
+PAIR = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "models"
+DRAFTERS = ("drafter-eagle31", "drafter-eagle3")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """One server per drafter (the repositories' model names are the same), started together."""
+    started = {}
+    try:
+        for name in DRAFTERS:
+            root = tmp_path_factory.mktemp(name)
+            bundle = export_trtllm(PAIR / name, PAIR / "target", root / "bundle", max_draft_len=3)
+            http, grpc = free_ports(2)
+            started[name] = TritonServer([export_triton(bundle, root / "cpu", "cpu")], http_port=http, grpc_port=grpc,
+                                         env={"OMP_NUM_THREADS": "1"}).start()
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_parity_under_load_against_the_batched_cpu_repository(servers, cli, tmp_path, drafter):
+    server = servers[drafter]
+    code, out, err = cli("parity", "--drafter", PAIR / drafter, "--target", PAIR / "target", "--runtime", "triton",
+                         "--url", server.http_url, "--concurrency", "4,16", "--max-new-tokens", "16", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"], (err, report["failures"])
+    rows = {row["concurrency"]: row for row in report["concurrency"]}
+    assert sorted(rows) == [1, 4, 16]
+    for row in rows.values():
+        assert row["same_tokens_as_c1"] == row["same_rounds_as_c1"] == row["same_tokens_as_reference"] == 16
+        assert row["accepted_per_position"] == rows[1]["accepted_per_position"]
+    assert all(p["drafts_identical"] for p in report["prompts"])
+    assert rows[1]["accepted"] > 0
+    grown = [int(m) for line in server.log_lines() for m in re.findall(r"largest batched call so far: (\d+)", line)]
+    assert grown and max(grown) >= 4, server.log_lines()[-20:]
