@@ -126,7 +126,22 @@ def assert_exact_pass(report):
                                              (DRAFTER31, "speculators")],
                          ids=["eagle3-eagle", "eagle3-speculators", "eagle31-speculators"])
 def test_parity_exact_on_vllm(vllm, tmp_path, drafter, layout):
-    assert_exact_pass(parity(vllm, bundle_of(tmp_path, drafter, layout), drafter))
+    """With 4 and 16 requests in flight too (16 prompts), where the layout is the one users serve:
+    every prompt's tokens and rounds (from vLLM's per-request metrics) equal C = 1's and the
+    reference's, and the engine's pooled /metrics counters add up to them."""
+    levels = (1, 4, 16) if layout == ("auto" if drafter == DRAFTER3 else "speculators") else (1,)
+    report = parity(vllm, bundle_of(tmp_path, drafter, layout), drafter, concurrency=levels)
+    assert_exact_pass(report)
+    if len(levels) > 1:
+        rows = {row.concurrency: row for row in report.concurrency}
+        assert sorted(rows) == [1, 4, 16] and len(report.rows) == 16
+        for row in rows.values():
+            assert row.per_request and row.same_tokens_as_c1 == row.same_rounds_as_c1 == 16
+            assert row.same_tokens_as_reference == row.same_rounds_as_reference == 16
+            assert row.accepted_per_position == rows[1].accepted_per_position
+        for c in (4, 16):
+            assert rows[c].runtime_counters == {"rounds": rows[c].rounds, "accepted": rows[c].accepted,
+                                                "accepted_per_position": rows[c].accepted_per_position}
 
 
 def test_four_tap_speculators_drafter_runs_exactly(vllm, tmp_path, sources):

@@ -19,13 +19,14 @@ import json
 import shutil
 import tempfile
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from eagle31_export.errors import UserError
 from eagle31_export.reference.speculate import SpecResult, replay_rounds
-from eagle31_export.runtime.registry import LoadOptions, PairSource, Speculator
+from eagle31_export.runtime.registry import ConcurrentRun, LoadOptions, PairSource, Speculator
 from eagle31_export.runtime.vllm_client import Completion, SpecCounters, VllmClient
 from eagle31_export.runtime.vllm_engine import LocalServer, VllmInstall, find_vllm
 
@@ -36,6 +37,7 @@ VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 class VllmSpeculator(Speculator):
     name = "vllm"
     reports_drafts = False  # vLLM returns tokens and acceptance counts, not its drafts
+    serves_concurrently = True  # the engine schedules the requests in flight as one batch
 
     def __init__(self, client: VllmClient, exact: bool, server: LocalServer | None = None,
                  cleanup: Path | None = None):
@@ -59,6 +61,32 @@ class VllmSpeculator(Speculator):
             replay_rounds(result, observer)
         return result
 
+    def run_concurrently(self, prompts, max_new_tokens, depth, concurrency, temperature=0.0, seed=0) -> ConcurrentRun:
+        """Every prompt with `concurrency` requests in flight. Each request's rounds come from its own
+        response (vLLM's per-request metrics); the /metrics counters, read before and after the whole
+        run, are the engine's pooled view, which those must add up to (parity/concurrency.py)."""
+        def one(i: int) -> Completion:
+            return self.client.complete(list(prompts[i]), max_new_tokens, temperature, seed + i, ())
+
+        before = self._counters()
+        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eagle31-vllm") as pool:
+            done = list(pool.map(one, range(len(prompts))))
+        pooled = self._counters() - before
+        self._check_depth(next((d.spec_metrics for d in done if d.spec_metrics), None), pooled, depth)
+        per_request = all("per_step_accepted" in (d.spec_metrics or {}) for d in done)
+        results = [SpecResult(d.tokens, [], [int(a) for a in d.spec_metrics["per_step_accepted"]] if per_request else [],
+                              depth) for d in done]
+        counters = {"rounds": pooled.drafts, "accepted": pooled.accepted_tokens,
+                    "accepted_per_position": (pooled.accepted_per_position + [0] * depth)[:depth]}
+        return ConcurrentRun(results, counters, per_request)
+
+    def _check_depth(self, spec: dict | None, counts: SpecCounters, depth: int) -> None:
+        spec = spec or {}
+        served_depth = spec.get("num_spec_tokens") or (counts.draft_tokens // counts.drafts if counts.drafts else None)
+        if served_depth is not None and served_depth != depth:
+            raise UserError(f"the vLLM server at {self.url} drafts {served_depth} tokens per round; run with --depth "
+                            f"{served_depth} (or start it with num_speculative_tokens {depth})")
+
     def _counters(self) -> SpecCounters:
         counters = self.client.spec_counters()
         if counters is None:
@@ -71,10 +99,7 @@ class VllmSpeculator(Speculator):
         server fills them, checked against the /metrics deltas; otherwise rebuilt from the deltas
         (the right counts per position, in no particular order)."""
         spec = done.spec_metrics or {}
-        served_depth = spec.get("num_spec_tokens") or (counts.draft_tokens // counts.drafts if counts.drafts else None)
-        if served_depth is not None and served_depth != depth:
-            raise UserError(f"the vLLM server at {self.url} drafts {served_depth} tokens per round; run with --depth "
-                            f"{served_depth} (or start it with num_speculative_tokens {depth})")
+        self._check_depth(spec, counts, depth)
         from_counts = accepted_from_counts(counts, depth)
         if "per_step_accepted" not in spec:
             self.rounds_in_order = False
