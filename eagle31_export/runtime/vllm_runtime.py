@@ -186,8 +186,9 @@ def _checked_record(bundle: Path, install: VllmInstall) -> dict:
     return record
 
 
-def engine_args(record: dict, options: LoadOptions) -> list[str]:
-    """The server arguments that make the comparison exact."""
+def engine_args(record: dict, options: LoadOptions, speculative: bool = True) -> list[str]:
+    """The server arguments that make the comparison exact. `speculative` False: the same engine over
+    the target alone (the baseline a speed-up is measured against)."""
     from eagle31_export.formats.target import read_target_info
 
     depth = options.depth or int(record["max_draft_len"])
@@ -196,7 +197,8 @@ def engine_args(record: dict, options: LoadOptions) -> list[str]:
     if dtype is None:
         raise UserError(f"--runtime vllm computes in {', '.join(VLLM_DTYPES.values())}; not {options.dtype}")
     context = min(MAX_MODEL_LEN, read_target_info(record["target"]).max_position_embeddings or MAX_MODEL_LEN)
-    return ["--model", record["target"], "--served-model-name", "target", "--speculative-config", json.dumps(spec),
+    speculation = (["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed"]
+                   if speculative else [])
+    return ["--model", record["target"], "--served-model-name", "target", *speculation,
             "--dtype", dtype, "--enforce-eager", "--max-model-len", str(context), "--seed", "0",
-            "--generation-config", "vllm", "--skip-tokenizer-init", "--per-request-spec-decode-metrics", "detailed",
-            "--tensor-parallel-size", "1"]
+            "--generation-config", "vllm", "--skip-tokenizer-init", "--tensor-parallel-size", "1"]
