@@ -2,7 +2,7 @@
 release, or is looked up guarded (`getattr(trt.X, "Y", None)` / `hasattr`) where some release lacks it.
 
 The names each release binds are data read from NVIDIA/TensorRT's sources (release/10.0 ... release/11.1,
-python/src/infer/pyCore.cpp and its siblings, parsers/pyOnnx.cpp; tools/tensorrt_python_api.py), in
+python/src/infer/pyCore.cpp and its siblings, parsers/pyOnnx.cpp; tests/data/read_tensorrt_python_api.py), in
 tests/data/tensorrt_python_api.json; docs/runtime-capabilities.md lists them."""
 
 import ast
@@ -61,7 +61,7 @@ def check(source: str) -> list[str]:
     for name in sorted(unguarded | guarded):
         if name not in API["names"]:
             problems.append(f"trt.{name} is not in tests/data/tensorrt_python_api.json: add it to "
-                            "tools/tensorrt_python_api.py NAMES and regenerate from NVIDIA/TensorRT")
+                            "tests/data/read_tensorrt_python_api.py NAMES and regenerate from NVIDIA/TensorRT")
     for name in sorted(unguarded):
         lacking = [r for r, names in RELEASES.items() if name not in names]
         if lacking and name in API["names"]:
