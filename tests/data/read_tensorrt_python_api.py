@@ -1,6 +1,6 @@
 """Which TensorRT Python names each release's binding defines, read from NVIDIA/TensorRT's sources.
 
-    python tools/tensorrt_python_api.py TENSORRT_GIT_DIR > tests/data/tensorrt_python_api.json
+    python tests/data/read_tensorrt_python_api.py TENSORRT_GIT_DIR > tests/data/tensorrt_python_api.json
 
 TENSORRT_GIT_DIR is a clone (or bare mirror) of github.com/NVIDIA/TensorRT with its `release/X.Y`
 branches. For every release in RELEASES the pybind11 sources (`python/src/infer/*.cpp`,
@@ -94,7 +94,7 @@ def release_names(git_dir: str, release: str) -> list[str]:
 def main(git_dir: str) -> None:
     record = {
         "about": "TensorRT Python names used by eagle31_export/export/engine.py, per release, as bound in "
-                 "NVIDIA/TensorRT python/src (see tools/tensorrt_python_api.py, docs/runtime-capabilities.md)",
+                 "NVIDIA/TensorRT python/src (see tests/data/read_tensorrt_python_api.py, docs/runtime-capabilities.md)",
         "source": {"repository": "NVIDIA/TensorRT", "branches": [f"release/{r}" for r in RELEASES],
                    "files": list(FILES)},
         "names": list(NAMES),
