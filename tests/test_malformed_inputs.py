@@ -198,8 +198,8 @@ _usage("onnx-chain-depth-zero", "--chain-depth 0",
        lambda e: (["export", "onnx", "--drafter", e.fixtures["drafter"], "--out", e.out, "--chain-depth", "0"], []))
 _usage("onnx-max-positions-zero", "--max-positions 0",
        lambda e: (["export", "onnx", "--drafter", e.fixtures["drafter"], "--out", e.out, "--max-positions", "0"], []))
-_usage("engine-max-tokens-zero", "--max-tokens 0",
-       lambda e: (["export", "engine", "--onnx", e.tmp, "--out", e.out, "--max-tokens", "0"], []))
+_usage("engine-max-batch-zero", "--max-batch 0",
+       lambda e: (["export", "engine", "--onnx", e.tmp, "--out", e.out, "--max-batch", "0"], []))
 _usage("serve-port-out-of-range", "--port 70000", lambda e: (["serve", e.tmp, "--port", "70000"], []))
 _usage("serve-timeout-nan", "--timeout nan", lambda e: (["serve", e.tmp, "--timeout", "nan"], []))
 _usage("parity-depth-zero", "--depth 0", lambda e: (["parity", "--depth", "0"], []))
