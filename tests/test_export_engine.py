@@ -167,3 +167,24 @@ def test_missing_plugin_library(monkeypatch, cli, tmp_path, onnx_dir):
                        "--plugins", tmp_path / "missing.so", "--device-memory", "80")
     assert code == 2 and "plugin library not found" in err
     assert not (tmp_path / "e").exists()
+
+
+def test_the_exported_graphs_are_sized_in_full_and_refused_above_the_device(cli, tmp_path):
+    """The tiny pair's real graphs (NVFP4 target, W4A4 flavour, chain): shape inference sizes every value
+    at every profile's largest shape, so the estimate is not a bound from guesses, and a device too small
+    for it refuses the build in one line."""
+    from pathlib import Path
+
+    pair = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "models"
+    code, _, err = cli("export", "onnx", "--drafter", pair / "drafter-eagle31", "--target", pair / "target-nvfp4",
+                       "--flavor", "tensorrt-w4a4", "--chain-depth", "3", "--out", tmp_path / "onnx")
+    assert code == 0, err
+    code, out, err = cli("export", "engine", "--onnx", tmp_path / "onnx", "--out", tmp_path / "e", "--plan",
+                         "--max-batch", "8", "--device-memory", "80")
+    assert code == 0, err
+    assert out.count("profile prefill") == 3 and out.count("profile decode") == 4  # target, first, chain; + next
+    assert "upper bound" not in out
+    assert "attention/MatMul [8, 2, 3072, 1024]" in out  # batch 8 x (2 query heads per KV head x 1024 tokens)
+    code, _, err = cli("export", "engine", "--onnx", tmp_path / "onnx", "--out", tmp_path / "e", "--plan",
+                       "--max-batch", "8", "--device-memory", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "exceeds 2.00 GiB" in err, err

@@ -236,7 +236,7 @@ class DrafterGraphWriter:
         else:
             g_state = hidden
         x = g.embedding("embed_tokens.weight", ids=ids, compute=self.dtype, **self._matrix("embed_tokens.weight", False))
-        mask = L.attention_bias(g, L.past_len(g, past[0][0]), L.seq_len(g, ids), attention_mask)
+        mask = L.attention_bias(g, L.past_len(g, past[0][0]), ids, attention_mask)
         cos, sin = self._rope(g, positions)
         presents = []
         for i in range(cfg.num_layers):

@@ -50,44 +50,34 @@ def gated_mlp(g: GraphBuilder, x: str, linear, prefix: str, act: str) -> str:
 
 # ---- positions, masks, rope -------------------------------------------------------------------
 
-def seq_len(g: GraphBuilder, ids: str) -> str:
-    """T of [B, T] ids, as a 1-element int64 tensor."""
-    return g.op("Shape", ids, start=1, end=2)
-
-
 def past_len(g: GraphBuilder, past_key: str) -> str:
     """S of a [B, heads, S, dim] cache tensor, as a 1-element int64 tensor."""
     return g.op("Shape", past_key, start=2, end=3)
 
 
-def causal_mask(g: GraphBuilder, past: str, new: str) -> str:
-    """Additive fp32 mask [T, P+T]: query j sees every cached key and the new keys up to j.
-
-    As `reference.attention.causal_mask`: from cache lengths, not from position ids.
-    """
-    with g.scope("causal_mask"):
-        total = g.op("Add", past, new)
-        zero, one = g.const(0), g.const(1)
-        key_idx = g.op("Range", zero, g.op("Squeeze", total, g.const([0])), one)
-        query_idx = g.op("Range", g.op("Squeeze", past, g.const([0])), g.op("Squeeze", total, g.const([0])), one)
-        allowed = g.op("LessOrEqual", key_idx, g.op("Unsqueeze", query_idx, g.const([1])))
-        return g.op("Where", allowed, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
-
-
-def attention_bias(g: GraphBuilder, past: str, new: str, attention_mask: str) -> str:
-    """Additive fp32 mask [B, 1, T, P+T]: the causal mask, and per sequence the keys its
-    `attention_mask` [B, P+T] marks 0 hidden.
+def attention_bias(g: GraphBuilder, past: str, ids: str, attention_mask: str) -> str:
+    """Additive fp32 mask [B, 1, T, P+T]: query j (at cache index P+j) sees key k where k <= P+j
+    (causal, from cache lengths, as `reference.attention.causal_mask`) and `attention_mask` [B, P+T]
+    marks k 1.
 
     0 marks padding, which is what lets sequences of different lengths share one call: each
     sequence's cache is left-padded to the longest (its real keys end at P) and its new tokens
     right-padded (they start at P). A padding query row still sees its sequence's first new key, so
-    no row is all -inf; its outputs are dropped by the caller.
+    no row is all -inf; its outputs are dropped by the caller. Key and query indices are counted
+    along `attention_mask` and `ids` (CumSum) rather than made with Range from their lengths, so
+    every shape follows from the inputs' shapes (TensorRT's profiles, shape inference).
     """
     with g.scope("attention_bias"):
-        causal = causal_mask(g, past, new)
-        padding = g.op("Where", g.op("Equal", attention_mask, g.const(0)), g.const(-np.inf, np.float32),
-                       g.const(0.0, np.float32))
-        return g.op("Add", causal, g.op("Unsqueeze", padding, g.const([1, 2])))
+        def index(x: str) -> str:  # 0, 1, 2, ... along axis 1 of x, shaped like x
+            ones = g.op("Cast", g.op("Equal", x, x), to=TensorProto.INT64)
+            return g.op("Sub", g.op("CumSum", ones, g.const(1)), g.const(1))
+
+        keys = g.op("Unsqueeze", index(attention_mask), g.const([1]))  # [B, 1, P+T]
+        queries = g.op("Unsqueeze", g.op("Add", index(ids), past), g.const([2]))  # [B, T, 1]
+        real = g.op("Unsqueeze", g.op("Not", g.op("Equal", attention_mask, g.const(0))), g.const([1]))
+        allowed = g.op("And", g.op("LessOrEqual", keys, queries), real)  # [B, T, P+T]
+        bias = g.op("Where", allowed, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
+        return g.op("Unsqueeze", bias, g.const([1]))
 
 
 def extend_attention_mask(g: GraphBuilder, attention_mask: str) -> str:

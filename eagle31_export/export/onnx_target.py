@@ -2,9 +2,9 @@
 
 Inputs `input_ids` [B, T], `position_ids` [B, T], `past_key_i` / `past_value_i` [B, kv, P, hd] and
 `attention_mask` [B, P+T] (1: a real key; 0: padding of a batch of sequences of different lengths,
-`onnx_layers.attention_bias`); outputs `logits` [B, T, V], `aux_hidden_states` [B, T, k*H] (the OUTPUT of each tapped layer,
-concatenated in `aux_layer_ids` order, as `reference.target.ReferenceTarget` returns them) and
-`present_key_i` / `present_value_i`.
+`onnx_layers.attention_bias`); outputs `logits` [B, T, V], `aux_hidden_states` [B, T, k*H] (the
+OUTPUT of each tapped layer, concatenated in `aux_layer_ids` order, as
+`reference.target.ReferenceTarget` returns them) and `present_key_i` / `present_value_i`.
 
 The graph is written from the module's weights op by op (not traced), mirroring transformers'
 Llama / Qwen forward: RMSNorm in fp32, rotate-half rope from the model's own rotary tables,
@@ -86,7 +86,7 @@ class TargetGraphWriter:
                 for i in range(len(self.layers))]
         attention_mask = g.input("attention_mask", INT64, [B, PRESENT])
         x = g.embedding(self._embed_name(), ids=ids, compute=self.dtype, **self._matrix(self._embed_name(), False))
-        mask = L.attention_bias(g, L.past_len(g, past[0][0]), L.seq_len(g, ids), attention_mask)
+        mask = L.attention_bias(g, L.past_len(g, past[0][0]), ids, attention_mask)
         cos, sin = self._rope(g, positions)
         taps, presents = {}, []
         for i in range(len(self.layers)):

@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import TensorProto, shape_inference
 
@@ -231,15 +232,19 @@ def _standard_stand_ins(g: onnx.GraphProto) -> None:
         return
     helper = onnx.helper
     for name, value in (("estimate/start", 0), ("estimate/end", 2**62), ("estimate/axis", -1), ("estimate/step", 16)):
-        g.initializer.append(onnx.numpy_helper.from_array(__import__("numpy").array([value], "int64"), name))
-    for i, node in enumerate(list(g.node)):
-        if node.op_type == "TRT_FP4DynamicQuantize":
-            x, (values, scales) = node.input[0], node.output
-            g.node.remove(node)
-            g.node.insert(i, helper.make_node("Cast", [f"{scales}/every_16th"], [scales], to=TensorProto.FLOAT8E4M3FN))
-            g.node.insert(i, helper.make_node("Slice", [x, "estimate/start", "estimate/end", "estimate/axis",
-                                                        "estimate/step"], [f"{scales}/every_16th"]))
-            g.node.insert(i, helper.make_node("Cast", [x], [values], to=TensorProto.FLOAT4E2M1))
+        g.initializer.append(onnx.numpy_helper.from_array(np.array([value], np.int64), name))
+    nodes = []
+    for node in g.node:  # a new list in graph order: each stand-in stays where its node was
+        if node.op_type != "TRT_FP4DynamicQuantize":
+            nodes.append(node)
+            continue
+        x, (values, scales) = node.input[0], node.output
+        nodes += [helper.make_node("Cast", [x], [values], to=TensorProto.FLOAT4E2M1),
+                  helper.make_node("Slice", [x, "estimate/start", "estimate/end", "estimate/axis", "estimate/step"],
+                                   [f"{scales}/every_16th"]),
+                  helper.make_node("Cast", [f"{scales}/every_16th"], [scales], to=TensorProto.FLOAT8E4M3FN)]
+    del g.node[:]
+    g.node.extend(nodes)
 
 
 def plan_graph(path: Path, role: str, limits: ServingLimits) -> GraphPlan:
