@@ -30,17 +30,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from triton_load import held_out_prompts  # noqa: E402
+from triton_load import held_out_prompts, pair_parser  # noqa: E402
 
 SEED_SPEEDUP = {1: 2.03, 4: 1.71, 16: 1.66}  # the seed's per-user speed-ups (Kimi-K2.6-NVFP4, vLLM, GB200)
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pair", type=Path, default=ROOT / "examples" / "tiny" / "models",
-                   help="folder with target/ and drafter-eagle31/ (or give --drafter / --target)")
-    p.add_argument("--drafter", type=Path)
-    p.add_argument("--target", type=Path)
+    p = pair_parser(__doc__.split("\n\n")[0])
     p.add_argument("--vllm", default=os.environ.get("EAGLE31_VLLM", str(ROOT / ".venv-vllm")),
                    help="vLLM environment (VENV or its python)")
     p.add_argument("--levels", default="1,4,16", help="requests in flight, comma-separated")

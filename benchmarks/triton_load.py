@@ -27,12 +27,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def pair_parser(description: str) -> argparse.ArgumentParser:
+    """A benchmark's argument parser with the pair it serves: --pair, or --drafter / --target."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--pair", type=Path, default=ROOT / "examples" / "tiny" / "models",
                    help="folder with target/ and drafter-eagle31/ (or give --drafter / --target)")
     p.add_argument("--drafter", type=Path)
     p.add_argument("--target", type=Path)
+    return p
+
+
+def parse_args() -> argparse.Namespace:
+    p = pair_parser(__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--requests", type=int, default=10, help="requests per client, sent one after another")
     p.add_argument("--max-tokens", type=int, default=32)

@@ -19,6 +19,7 @@ import torch
 from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
 from factories import drafter_config_for, make_target, random_drafter
 from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter
+from eagle31_export.formats.outputs import MANIFEST, write_manifest
 from eagle31_export.formats.target import load_causal_lm, read_target_info
 from eagle31_export.reference.pair import load_pair
 from eagle31_export.reference.speculate import LoopObserver, speculate
@@ -215,6 +216,8 @@ def test_cli_drafter_only_export_verifies_with_the_reference_target(cli, tmp_pat
     meta = json.loads((out / "graphs.json").read_text())
     del meta["target"]
     (out / "graphs.json").write_text(json.dumps(meta))
+    references = json.loads((out / MANIFEST).read_text()).get("references") or {}
+    write_manifest(out, {role: ref["path"] for role, ref in references.items()})  # as if written so
     common = ["--prompt-ids", "1,5,9,13", "--depth", "2", "--max-new-tokens", "10", "--json"]
     code, ref_out, _ = cli("speculate", "--drafter", drafter, "--target", target, *common)
     code2, ort_out, err = cli("speculate", "--runtime", "onnxruntime", "--onnx", out, "--target", target, *common)
