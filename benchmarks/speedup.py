@@ -1,19 +1,26 @@
-"""Speed-up of speculative decoding on a real vLLM engine at C = 1, 4 and 16 requests in flight:
-output tokens/s with speculation over the same engine serving the target alone, side by side in one run.
+"""Speed-up of speculative decoding at C = 1, 4 and 16 requests in flight: output tokens/s with
+speculation over the same engine serving the target alone, side by side in one run.
 
-    .venv/bin/python benchmarks/speedup.py [--vllm .venv-vllm --levels 1,4,16 --repeats 3 --plot speedup.png]
+    .venv/bin/python benchmarks/speedup.py [--runtimes vllm,onnxruntime --levels 1,4,16 --repeats 3 --plot speedup.png]
 
-Two local vLLM servers (vLLM's CPU build here: `make setup-vllm`) over the same target, fp32, eager,
-greedy, `ignore_eos` (every request makes exactly --max-new-tokens tokens): one with the EAGLE drafter
-(`export vllm` bundle, num_speculative_tokens --depth), one without. Prompts: seeded windows of the
-held-out files the tiny target never saw (benchmarks/triton_load.py). For each C the prompts are sent
-with C requests in flight; the two servers take turns, repeat after repeat, so drift hits both alike.
+Engines, each with and without the drafter, fp32, greedy, every request making exactly
+--max-new-tokens tokens:
+- vllm: two local vLLM servers over the same target (vLLM's CPU build here: `make setup-vllm`;
+  --vllm VENV), one with the EAGLE drafter (`export vllm` bundle, num_speculative_tokens --depth), one
+  without; `ignore_eos`;
+- onnxruntime: the exported graphs batched as the Triton `cpu` repository runs them
+  (runtime/batching.py), in process: the speculation loop, and the target graph alone decoding one
+  token a forward over the same batching.
+Prompts: seeded windows of the held-out files the tiny target never saw (benchmarks/triton_load.py).
+For each C the prompts are sent with C requests in flight; the two sides take turns, repeat after
+repeat, so drift hits both alike.
 
-Printed per C: the median output tokens/s of each, their ratio, and the bound it compares with,
-measured in the same run: tau, the tokens each target forward made (1 + accepted / rounds from vLLM's
-own /metrics counters), which is the speed-up a free drafter and a verify step as cheap as a decode
-step would give; then ratio / tau. Beside them, the seed's 2.03 / 1.71 / 1.66 (Kimi-K2.6-NVFP4 with its
-EAGLE 3.1 drafter, vLLM, GB200): another pair and machine, shown for scale only.
+Printed per C: the median output tokens/s of each side, their ratio (and its range over the repeats),
+and the bound it compares with, measured in the same run: tau, the tokens each target forward made
+(1 + accepted drafts / rounds; vLLM: from its own /metrics counters), which is the speed-up a free
+drafter and a verify step as cheap as a decode step would give; then ratio / tau. Beside them, the
+seed's 2.03 / 1.71 / 1.66 (Kimi-K2.6-NVFP4 with its EAGLE 3.1 drafter, vLLM, GB200): another pair and
+machine, shown for scale only.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,107 +52,175 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--depth", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--repeats", type=int, default=3, help="measurements per engine and level (median)")
+    p.add_argument("--runtimes", default="vllm,onnxruntime", help="vllm, onnxruntime (comma-separated)")
     p.add_argument("--plot", type=Path, default=Path("speedup.png"), help="where to draw ratio and tau by C")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p.parse_args()
 
 
-def measure(client, prompts: list[list[int]], max_new_tokens: int, concurrency: int) -> tuple[float, int, object]:
-    """(seconds, output tokens, the spec-decode counters' change or None) for every prompt, C in flight."""
-    before = client.spec_counters()
+def timed(run, prompts: list[list[int]], concurrency: int) -> tuple[float, list]:
+    """(seconds, results) of `run(prompt)` for every prompt with `concurrency` in flight."""
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        done = list(pool.map(lambda p: client.complete(p, max_new_tokens), prompts))
-    seconds = time.perf_counter() - start
-    after = client.spec_counters()
-    return seconds, sum(len(d.tokens) for d in done), (after - before) if after is not None else None
+        done = list(pool.map(run, prompts))
+    return time.perf_counter() - start, done
 
 
-def main() -> None:
-    args = parse_args()
-    from eagle31_export.export.vllm import export_vllm
+def vllm_engines(args, drafter: Path, target: Path, tmp: Path, stack: ExitStack) -> dict:
+    """Each engine as `measure(prompts, C) -> (seconds, output tokens, rounds, accepted drafts, every
+    prompt's tokens)`: vLLM with
+    the drafter and without, rounds and accepted drafts from its own /metrics counters."""
     from eagle31_export.export.bundle import read_bundle
+    from eagle31_export.export.vllm import export_vllm
     from eagle31_export.runtime.registry import LoadOptions
     from eagle31_export.runtime.vllm_client import VllmClient
     from eagle31_export.runtime.vllm_engine import LocalServer, find_vllm
     from eagle31_export.runtime.vllm_runtime import engine_args
 
+    install = find_vllm(args.vllm)
+    record = read_bundle(export_vllm(drafter, target, tmp / "bundle", num_speculative_tokens=args.depth))
+    options = LoadOptions(depth=args.depth)
+
+    def engine(speculative: bool):
+        server = stack.enter_context(LocalServer(install, engine_args(record, options, speculative), tmp))
+        client = VllmClient(server.url)
+
+        def measure(prompts, c):
+            before = client.spec_counters()
+            seconds, done = timed(lambda p: client.complete(p, args.max_new_tokens), prompts, c)
+            after = client.spec_counters()
+            moved = (after - before) if after is not None else None
+            return (seconds, sum(len(d.tokens) for d in done), moved.drafts if moved else 0,
+                    moved.accepted_tokens if moved else 0, [d.tokens for d in done])
+        return measure
+
+    return {"label": install.describe(), "speculation": engine(True), "target alone": engine(False)}
+
+
+def onnxruntime_engines(args, drafter: Path, target: Path, tmp: Path, stack: ExitStack) -> dict:
+    """The exported graphs on ONNX Runtime, batched as the Triton `cpu` repository runs them
+    (runtime/batching.py), in process: the speculation loop, and the target graph alone decoding one
+    token a forward over the same batching."""
+    import torch
+
+    from eagle31_export.export.onnx_export import export_onnx
+    from eagle31_export.runtime.batching import Batcher, BatchedTarget, BatchingSpeculator
+    from eagle31_export.runtime.onnxruntime import load_backends
+
+    target_backend, drafter_backend = load_backends(export_onnx(drafter, tmp / "onnx", target))
+    speculator = BatchingSpeculator("onnxruntime", target_backend, drafter_backend)
+    batcher = Batcher()
+
+    def alone(prompt):
+        seq = BatchedTarget(target_backend.fork(), batcher)
+        with batcher.member():
+            logits, _ = seq.forward(torch.tensor([prompt]))
+            tokens = [int(logits[0, -1].argmax())]
+            while len(tokens) < args.max_new_tokens:
+                logits, _ = seq.forward(torch.tensor([tokens[-1:]]))
+                tokens.append(int(logits[0, -1].argmax()))
+        return tokens
+
+    def speculation(prompts, c):
+        seconds, done = timed(lambda p: speculator.run(p, args.max_new_tokens, args.depth), prompts, c)
+        steps = [a for r in done for a in r.accepted_per_step]
+        return seconds, sum(len(r.tokens) for r in done), len(steps), sum(steps), [r.tokens for r in done]
+
+    def target_alone(prompts, c):
+        seconds, done = timed(alone, prompts, c)
+        return seconds, sum(len(t) for t in done), 0, 0, done
+
+    return {"label": "onnxruntime (the Triton cpu repository's engine, in process)", "speculation": speculation,
+            "target alone": target_alone}
+
+
+ENGINES = {"vllm": vllm_engines, "onnxruntime": onnxruntime_engines}
+
+
+def main() -> None:
+    args = parse_args()
     levels = sorted({int(c) for c in args.levels.split(",")})
     drafter = args.drafter or args.pair / "drafter-eagle31"
     target = args.target or args.pair / "target"
     prompts = held_out_prompts(args.pair, target, max(args.prompts, max(levels)), seed=0)
-    install = find_vllm(args.vllm)
-    with tempfile.TemporaryDirectory(prefix="speedup-") as tmp:
-        bundle = export_vllm(drafter, target, Path(tmp) / "bundle", num_speculative_tokens=args.depth)
-        record = read_bundle(bundle)  # its paths resolved
-        options = LoadOptions(depth=args.depth)
-        with LocalServer(install, engine_args(record, options), Path(tmp)) as spec_server, \
-                LocalServer(install, engine_args(record, options, speculative=False), Path(tmp)) as plain_server:
-            engines = {"speculation": VllmClient(spec_server.url), "target alone": VllmClient(plain_server.url)}
-            for client in engines.values():  # warm-up: first requests compile and allocate
-                measure(client, prompts[:4], 8, 4)
+    tables = {}
+    for runtime in args.runtimes.split(","):
+        with tempfile.TemporaryDirectory(prefix="speedup-") as tmp, ExitStack() as stack:
+            engines = ENGINES[runtime](args, drafter, target, Path(tmp), stack)
+            label = engines.pop("label")
+            for measure in engines.values():  # warm-up: first requests compile and allocate
+                measure(prompts[:4], 4)
             runs = {(name, c): [] for name in engines for c in levels}
-            for _ in range(args.repeats):
+            for _ in range(args.repeats):  # the two engines take turns: drift hits both alike
                 for c in levels:
-                    for name, client in engines.items():
-                        runs[name, c].append(measure(client, prompts, args.max_new_tokens, c))
-    rows = [summarise(c, runs["speculation", c], runs["target alone", c]) for c in levels]
+                    for name, measure in engines.items():
+                        runs[name, c].append(measure(prompts, c))
+        tables[runtime] = {"engine": label,
+                           "rows": [summarise(c, runs["speculation", c], runs["target alone", c]) for c in levels]}
     if args.json:
-        print(json.dumps({"install": install.describe(), "depth": args.depth, "prompts": len(prompts),
-                          "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rows": rows}, indent=2))
+        print(json.dumps({"depth": args.depth, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                          "repeats": args.repeats, "runtimes": tables}, indent=2))
     else:
-        print_table(rows, install.describe(), args, len(prompts))
-    draw(rows, args.plot)
+        for table in tables.values():
+            print_table(table["rows"], table["engine"], args, len(prompts))
+    draw(tables, args.plot)
 
 
 def summarise(c: int, spec: list, plain: list) -> dict:
-    spec_tps = [tokens / seconds for seconds, tokens, _ in spec]
-    plain_tps = [tokens / seconds for seconds, tokens, _ in plain]
-    drafts = sum(counters.drafts for *_, counters in spec)
-    accepted = sum(counters.accepted_tokens for *_, counters in spec)
-    tau = 1 + accepted / drafts if drafts else 1.0
+    spec_tps = [tokens / seconds for seconds, tokens, *_ in spec]
+    plain_tps = [tokens / seconds for seconds, tokens, *_ in plain]
+    rounds = sum(run[2] for run in spec)
+    accepted = sum(run[3] for run in spec)
+    # speculation is lossless: both sides must have made the same tokens (the last repeat's)
+    same = sum(a == b for a, b in zip(spec[-1][4], plain[-1][4]))
+    tau = 1 + accepted / rounds if rounds else 1.0
     ratio = statistics.median(spec_tps) / statistics.median(plain_tps)
     return {"concurrency": c, "speculation_tok_s": statistics.median(spec_tps),
             "target_alone_tok_s": statistics.median(plain_tps), "ratio": ratio,
             "ratio_range": [min(spec_tps) / max(plain_tps), max(spec_tps) / min(plain_tps)],
-            "tau_bound": tau, "ratio_over_bound": ratio / tau, "seed_ratio": SEED_SPEEDUP.get(c)}
+            "tau_bound": tau, "ratio_over_bound": ratio / tau, "seed_ratio": SEED_SPEEDUP.get(c),
+            "same_tokens": same, "prompts": len(spec[-1][4])}
 
 
-def print_table(rows: list[dict], install: str, args, prompts: int) -> None:
-    print(f"{install}, fp32 greedy, depth {args.depth}, {prompts} prompts x {args.max_new_tokens} tokens, "
+def print_table(rows: list[dict], engine: str, args, prompts: int) -> None:
+    print(f"{engine}, fp32 greedy, depth {args.depth}, {prompts} prompts x {args.max_new_tokens} tokens, "
           f"median of {args.repeats}")
     print(f"{'C':>3} {'spec tok/s':>11} {'alone tok/s':>12} {'ratio':>6} {'(range)':>13} {'bound tau':>10} "
-          f"{'ratio/tau':>10} {'seed':>6}")
+          f"{'ratio/tau':>10} {'seed':>6} {'same tokens':>12}")
     for r in rows:
         seed = f"{r['seed_ratio']:.2f}" if r["seed_ratio"] else "-"
         low, high = r["ratio_range"]
+        same = f"{r['same_tokens']}/{r['prompts']}"
         print(f"{r['concurrency']:>3} {r['speculation_tok_s']:>11.1f} {r['target_alone_tok_s']:>12.1f} "
               f"{r['ratio']:>6.2f} {f'{low:.2f}-{high:.2f}':>13} {r['tau_bound']:>10.3f} {r['ratio_over_bound']:>10.2f} "
-              f"{seed:>6}")
-    print("bound: tau, tokens per target forward (vLLM's /metrics, this run): the speed-up if drafting were free and a "
-          "verify step cost one decode step; seed: Kimi-K2.6-NVFP4 on GB200, for scale only")
+              f"{seed:>6} {same:>12}")
+    print("bound: tau, tokens per target forward (this run; vLLM: its /metrics): the speed-up if drafting were free and "
+          "a verify step cost one decode step; seed: Kimi-K2.6-NVFP4 on GB200, for scale only\n")
 
 
-def draw(rows: list[dict], path: Path) -> None:
+def draw(tables: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    levels = [r["concurrency"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(levels, [r["ratio"] for r in rows], "o-", label="measured: speculation / target alone")
-    ax.plot(levels, [r["tau_bound"] for r in rows], "x:", color="grey", label="bound: tau (this run)")
-    seeded = [r for r in rows if r["seed_ratio"]]
-    ax.plot([r["concurrency"] for r in seeded], [r["seed_ratio"] for r in seeded], "s--", color="tab:green",
-            label="seed: Kimi-K2.6-NVFP4, GB200")
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    levels, top = [], 2.1
+    for (runtime, table), marker in zip(tables.items(), "o^"):
+        rows = table["rows"]
+        levels = [r["concurrency"] for r in rows]
+        line, = ax.plot(levels, [r["ratio"] for r in rows], f"{marker}-", label=f"{runtime}: speculation / target alone")
+        ax.plot(levels, [r["tau_bound"] for r in rows], f"{marker}:", color=line.get_color(), alpha=0.6,
+                label=f"{runtime}: bound tau (this run)")
+        top = max(top, *(r["tau_bound"] for r in rows))
+    seed = sorted(SEED_SPEEDUP.items())
+    ax.plot([c for c, _ in seed], [r for _, r in seed], "s--", color="tab:green", label="seed: Kimi-K2.6-NVFP4, vLLM, GB200")
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set(xscale="log", xticks=levels, xlabel="requests in flight (C)", ylabel="output tokens/s ratio",
-           title="Speculative decoding speed-up by load (vLLM)",
-           ylim=(0, max(max(r["tau_bound"] for r in rows), 2.1) * 1.15))
+           title="Speculative decoding speed-up by load", ylim=(0, top * 1.15))
     ax.set_xticklabels([str(c) for c in levels])
     ax.minorticks_off()
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
