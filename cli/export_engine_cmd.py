@@ -44,18 +44,12 @@ def engine(
     activation memory at their largest shapes is printed, and refused above the device's memory.
     """
     from eagle31_export.errors import UserError
-    from eagle31_export.export.engine import build_engines, check_memory, max_positions, plan_engines, read_export
+    from eagle31_export.export.engine import build_engines, check_memory, plan_engines
     from eagle31_export.export.tensorrt_profiles import ServingLimits
 
     chosen = [name for name, on in (("fp16", fp16), ("bf16", bf16), ("fp8", fp8)) if on]
     if len(chosen) > 1:
         raise UserError(f"choose at most one of --fp16, --bf16, --fp8 (got {', '.join('--' + c for c in chosen)})")
-    meta = read_export(onnx)
-    if draft_depth is None:
-        chain = ((meta.get("drafter") or {}).get("graphs") or {}).get("chain") or {}
-        draft_depth = int(chain.get("depth") or 4)
-    if max_seq_len is None:
-        max_seq_len = min(4096, max_positions(meta) or 4096)
     limits = ServingLimits(max_batch=max_batch, max_seq_len=max_seq_len, draft_depth=draft_depth)
     if plan_only:
         plan = plan_engines(onnx, limits, device_memory)

@@ -16,7 +16,7 @@ import pytest
 
 from eagle31_export.errors import UserError
 from eagle31_export.export.trtllm import export_trtllm
-from eagle31_export.formats.outputs import atomic_output_dir, check_output, verify_output
+from eagle31_export.formats.outputs import atomic_output_dir, check_output, verify_output, write_manifest
 
 
 def snapshot(*paths: Path) -> dict[str, str]:
@@ -47,6 +47,7 @@ def _inputs_in(tmp_path: Path, eagle31_dir: Path, llama_target: Path, bundle: Pa
     record = json.loads((paths["bundle"] / "bundle.json").read_text())
     record["target"] = str(paths["target"])
     (paths["bundle"] / "bundle.json").write_text(json.dumps(record))
+    write_manifest(paths["bundle"], {"target": paths["target"]})  # a bundle written for this target
     paths["prompts"].write_text('{"prompt_ids": [1, 2, 3]}\n')
     return paths
 

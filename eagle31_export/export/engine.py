@@ -121,6 +121,8 @@ def plan_engines(onnx_dir: str | os.PathLike, limits: ServingLimits, device_memo
     meta = read_export(onnx_dir)
     check_flavor(meta, onnx_dir)
     roles = graph_roles(meta, onnx_dir)
+    chain = ((meta.get("drafter") or {}).get("graphs") or {}).get("chain") or {}
+    limits = limits.for_export(max_positions(meta), int(chain["depth"]) if chain.get("depth") else None)
     limits.validate(max_positions(meta))
     plans, plugins, fp4 = [], False, False
     for file, role in sorted(roles.items()):
@@ -333,8 +335,8 @@ def build_engines(onnx_dir: str | os.PathLike, out: str | os.PathLike, plugins: 
             "strongly_typed": strongly_typed,
             "plugin_library": str(Path(plugins).resolve()) if plugins else None,
             "eagle31_plugins_registered": ours,
-            "limits": {"max_batch": limits.max_batch, "max_seq_len": limits.max_seq_len,
-                       "draft_depth": limits.draft_depth},
+            "limits": {"max_batch": plan.limits.max_batch, "max_seq_len": plan.limits.max_seq_len,
+                       "draft_depth": plan.limits.draft_depth},
             "engines": built,
         })
     return out

@@ -33,7 +33,7 @@ attention never writes the scores); the estimate is a bound to refuse on, not a 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,11 +52,21 @@ _ELEM_BYTES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT1
                TensorProto.BOOL: 1, TensorProto.FLOAT8E4M3FN: 1, TensorProto.FLOAT4E2M1: 0.5}
 
 
+DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_DRAFT_DEPTH = 4
+
+
 @dataclass(frozen=True)
 class ServingLimits:
     max_batch: int = 1
-    max_seq_len: int = 4096  # prompt plus generated tokens, per sequence
-    draft_depth: int = 4  # drafted tokens per round
+    max_seq_len: int | None = None  # prompt plus generated tokens, per sequence (None: `for_export`)
+    draft_depth: int | None = None  # drafted tokens per round (None: `for_export`)
+
+    def for_export(self, max_positions: int | None, chain_depth: int | None) -> "ServingLimits":
+        """The limits with what was left out taken from the export: --max-seq-len 4096, or the rope
+        tables' rows when fewer; --draft-depth the chain graph's depth, else 4."""
+        seq = self.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, max_positions or DEFAULT_MAX_SEQ_LEN)
+        return replace(self, max_seq_len=seq, draft_depth=self.draft_depth or chain_depth or DEFAULT_DRAFT_DEPTH)
 
     def validate(self, max_positions: int | None) -> None:
         for name, value in (("--max-batch", self.max_batch), ("--max-seq-len", self.max_seq_len),
