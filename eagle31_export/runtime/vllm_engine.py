@@ -149,7 +149,11 @@ class LocalServer:
             check_port_free(port)
         self.port = port if port is not None else free_port()
         self.log = Path(logdir) / f"vllm-{self.port}.log"
+        # One process: the engine core runs inside the API server (and, with `--distributed-executor-backend
+        # uni` in the engine arguments, the model in the engine core). Each vLLM process pays its own
+        # ~10 s of imports; the model runner and what it computes are the same.
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                    "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
                     **(env or {})}
         self.process: subprocess.Popen | None = None
         self._previous_sigterm = None

@@ -201,4 +201,5 @@ def engine_args(record: dict, options: LoadOptions, speculative: bool = True) ->
                    if speculative else [])
     return ["--model", record["target"], "--served-model-name", "target", *speculation,
             "--dtype", dtype, "--enforce-eager", "--max-model-len", str(context), "--seed", "0",
-            "--generation-config", "vllm", "--skip-tokenizer-init", "--tensor-parallel-size", "1"]
+            "--generation-config", "vllm", "--skip-tokenizer-init", "--tensor-parallel-size", "1",
+            "--distributed-executor-backend", "uni"]
