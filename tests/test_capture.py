@@ -178,6 +178,22 @@ def test_parity_from_a_capture_equals_parity_from_the_target(tiny_capture, tmp_p
     assert not report.passed and "later drafts differ: fed-back state" in report.failures[0]
 
 
+def test_parity_refuses_a_capture_changed_since_it_was_written(tiny_capture, tmp_path):
+    import shutil
+
+    from eagle31_export.errors import UserError
+
+    cap, _ = tiny_capture
+    copy = tmp_path / "capture"
+    shutil.copytree(cap, copy)
+    data = max((p for p in copy.rglob("*") if p.is_file() and p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match=data.name):
+        check_parity("reference", None, EAGLE31, None, None, None, DEPTH, 16, capture=copy)
+
+
 @pytest.fixture(scope="module")
 def tp_targets(tmp_path_factory):
     """A bf16 checkpoint and its NVFP4 (ModelOpt) quantization, small enough for two CPU processes."""
@@ -257,5 +273,8 @@ def test_bad_input_is_one_line(cli, llama_capture, llama_target, eagle31_dir, tm
     for name in ("embeddings.safetensors", "prompts-00000.safetensors"):
         (broken / name).symlink_to(llama_capture / name)
     (broken / "capture.json").write_text(json.dumps({**meta, "depth": 5}))  # lengths no longer add up
+    from eagle31_export.formats.outputs import write_manifest
+
+    write_manifest(broken)  # a capture written broken: its manifest agrees, what it holds does not
     code, _, err = cli(*parity, "--capture", broken)
     assert code == 2 and "length = prompt_len + 18" in err

@@ -10,6 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from eagle31_export.formats.outputs import write_manifest
 from tensorrt_stand_in import stand_in
 
 KV = 2 * 8 * 4  # heads x head_dim x float32 bytes of one cached position
@@ -35,6 +36,7 @@ def write_export(folder, flavor="tensorrt", quantized=False, mask_dim="present_s
             "target": {"file": "target.onnx", "max_positions": max_positions,
                        "quantization": {"algo": "NVFP4", "modules": 1, "flavor": flavor} if quantized else None}}
     (folder / "graphs.json").write_text(json.dumps(meta))
+    write_manifest(folder)  # an export as `export onnx` writes it: `export engine` checks what it consumes
     return folder
 
 
@@ -151,6 +153,7 @@ def test_plugins_on_a_parser_that_prefers_local_functions_warn(monkeypatch, cli,
                                              plugin_namespace="eagle31"))
     model.opset_import.append(helper.make_opsetid("eagle31", 1))
     onnx.save(model, folder / "drafter_next.onnx")
+    write_manifest(folder)
     monkeypatch.setitem(sys.modules, "tensorrt", stand_in("10.1"))
     code, _, err = cli("export", "engine", "--onnx", folder, "--out", tmp_path / "e", "--device-memory", "80")
     assert code == 0, err
@@ -188,3 +191,12 @@ def test_the_exported_graphs_are_sized_in_full_and_refused_above_the_device(cli,
     code, _, err = cli("export", "engine", "--onnx", tmp_path / "onnx", "--out", tmp_path / "e", "--plan",
                        "--max-batch", "8", "--device-memory", "2")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "exceeds 2.00 GiB" in err, err
+
+
+def test_an_export_changed_since_it_was_written_is_refused_naming_the_file(cli, tmp_path, onnx_dir):
+    graph = onnx_dir / "target.onnx"
+    raw = bytearray(graph.read_bytes())
+    raw[-1] ^= 1
+    graph.write_bytes(bytes(raw))
+    code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e", "--plan")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "target.onnx" in err, err

@@ -36,7 +36,7 @@ from onnx import TensorProto
 from eagle31_export.errors import MissingRuntimeError, UserError
 from eagle31_export.export import capabilities as caps
 from eagle31_export.export.tensorrt_profiles import GIB, GraphPlan, ServingLimits, gib, plan_graph
-from eagle31_export.formats.outputs import atomic_output_dir, check_output
+from eagle31_export.formats.outputs import atomic_output_dir, check_consumed, check_output
 from eagle31_export.formats.safetensors_io import write_json
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
@@ -119,6 +119,7 @@ def plan_engines(onnx_dir: str | os.PathLike, limits: ServingLimits, device_memo
     """Profiles and memory estimates of every graph of an export (no TensorRT needed)."""
     onnx_dir = Path(onnx_dir)
     meta = read_export(onnx_dir)
+    check_consumed(onnx_dir, given=["drafter", "target"])  # its graphs, by manifest; engines need no checkpoint
     check_flavor(meta, onnx_dir)
     roles = graph_roles(meta, onnx_dir)
     chain = ((meta.get("drafter") or {}).get("graphs") or {}).get("chain") or {}

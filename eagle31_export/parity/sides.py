@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from eagle31_export.errors import UserError
-from eagle31_export.formats.outputs import MANIFEST, check_artifacts
+from eagle31_export.formats.outputs import MANIFEST, check_artifacts, check_consumed
 from eagle31_export.formats.prompts import read_prompts
 from eagle31_export.formats.target import read_target_info
 from eagle31_export.parity.compare import MODES, ParityReport, run_parity, run_parity_in_turn
@@ -86,6 +86,7 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
         raise UserError(f"{bundle}: no such bundle folder")
     if bundle is not None:
         check_bundle(bundle, drafter, target or capture)
+    check_consumed(capture)  # a capture is an output of ours too: a changed byte is refused before it is read
     if capture is not None:
         if act_quant:
             raise UserError("--act-quant changes how the target computes; a capture holds what it computed: "
