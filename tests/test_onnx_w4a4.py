@@ -101,15 +101,25 @@ def test_activation_quantization_equals_the_w4a4_reference_bit_for_bit(w4a4):
 
 
 def test_greedy_decisions_equal_the_w4a4_reference_target(w4a4):
+    """The decisions `parity --act-quant` compares: the W4A4 reference target's greedy continuation of a
+    prompt (16 tokens, decoded one forward at a time), and the graph's argmax at every position of
+    prompt + continuation in one call (causal: the same decisions), which must name each next token."""
     target, model = w4a4
     evaluator = ReferenceEvaluator(model, new_ops=W.reference_ops())
     ref = ReferenceTarget(load_causal_lm(target, act_quant=True), (1, 1, 0))
-    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(5))
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(5))
+    ref.reset()
+    logits, _ = ref.forward(prompt)
+    continuation = [int(logits[0, -1].argmax())]
+    while len(continuation) < 16:
+        logits, _ = ref.forward(torch.tensor([continuation[-1:]]))
+        continuation.append(int(logits[0, -1].argmax()))
+    ids = torch.cat([prompt, torch.tensor([continuation[:-1]])], dim=1)
     got = dict(zip(evaluator.output_names, evaluator.run(None, feeds(model, ids.numpy()))))
+    assert got["logits"][0, prompt.shape[1] - 1:].argmax(-1).tolist() == continuation
     ref.reset()
     logits, _ = ref.forward(ids)
     np.testing.assert_allclose(got["logits"], logits.numpy(), atol=1e-4, rtol=0)
-    assert (got["logits"].argmax(-1) == logits.numpy().argmax(-1)).all()
     w16 = ReferenceTarget(load_causal_lm(target), (1, 1, 0))  # ...and the W4A16 target computes otherwise
     w16.reset()
     assert np.abs(w16.forward(ids)[0].numpy() - got["logits"]).max() > 1e-3
