@@ -149,6 +149,18 @@ def _pad(array: np.ndarray, length: int, axis: int, left: bool) -> np.ndarray:
     return np.pad(array, widths)
 
 
+def _stack(arrays: list[np.ndarray]) -> np.ndarray:
+    # one sequence (the common case) is fed as it is: no copy of its whole cache every call
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _fork(backend):
+    """Another sequence over `backend`'s sessions: a shallow copy with a cache of its own."""
+    other = copy.copy(backend)
+    other.cache = _Cache(backend.cache.kv, backend.cache.dtype)
+    return other
+
+
 def run_batch(session, caches: list[_Cache], feeds: list[dict[str, np.ndarray]],
               per_token: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
     """One session call for several sequences; `feeds[b]`: sequence b's [1, T_b, ...] inputs.
@@ -161,14 +173,14 @@ def run_batch(session, caches: list[_Cache], feeds: list[dict[str, np.ndarray]],
     past = max(c.length for c in caches)
     new = [f["input_ids"].shape[1] for f in feeds]
     width = max(new)
-    batch = {name: np.concatenate([_pad(f[name], width, 1, left=False) for f in feeds]) for name in feeds[0]}
+    batch = {name: _stack([_pad(f[name], width, 1, left=False) for f in feeds]) for name in feeds[0]}
     mask = np.zeros((len(caches), past + width), np.int64)
     for b, (cache, t) in enumerate(zip(caches, new)):
         mask[b, past - cache.length: past + t] = 1
     batch["attention_mask"] = mask
     for i in range(len(caches[0].keys)):
-        batch[f"past_key_{i}"] = np.concatenate([_pad(c.keys[i], past, 2, left=True) for c in caches])
-        batch[f"past_value_{i}"] = np.concatenate([_pad(c.values[i], past, 2, left=True) for c in caches])
+        batch[f"past_key_{i}"] = _stack([_pad(c.keys[i], past, 2, left=True) for c in caches])
+        batch[f"past_value_{i}"] = _stack([_pad(c.values[i], past, 2, left=True) for c in caches])
     out = _run(session, batch)
     results = []
     for b, (cache, t) in enumerate(zip(caches, new)):
@@ -207,9 +219,7 @@ class OrtTargetBackend:
         self.vocab_size, self.max_positions = meta["vocab_size"], meta["max_positions"]
 
     def fork(self) -> "OrtTargetBackend":
-        other = copy.copy(self)
-        other.cache = _Cache(self.cache.kv, self.cache.dtype)
-        return other
+        return _fork(self)
 
     @property
     def length(self) -> int:
@@ -256,10 +266,8 @@ class OrtDrafterBackend:
                                   "re-run `eagle31-export export onnx`") from None
         self.max_positions = meta["max_positions"]
 
-    def fork(self):
-        other = copy.copy(self)
-        other.cache = _Cache(self.cache.kv, self.cache.dtype)
-        return other
+    def fork(self) -> "OrtDrafterBackend":
+        return _fork(self)
 
     def _feeds(self, input_ids, positions, name: str, hidden) -> dict[str, np.ndarray]:
         return {"input_ids": _ids(input_ids),
