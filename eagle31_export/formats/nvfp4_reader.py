@@ -23,8 +23,8 @@ from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.kv_scales import parse_kv_scale
 from eagle31_export.formats.nvfp4 import BLOCK_SIZE, reciprocal_f32
 from eagle31_export.formats.nvfp4_scheme import (
-    FUSED_GROUPS, QuantScheme, detect_scheme, exact_inverse, is_excluded, is_router, parse_exact_inverse,
-    unlisted_router_ok, unmatched_patterns,
+    FUSED_GROUPS, NVFP4_SEMANTICS, QuantScheme, detect_scheme, exact_inverse, is_excluded, is_router,
+    parse_exact_inverse, unlisted_router_ok, unmatched_patterns,
 )
 from eagle31_export.formats.nvfp4_stream import (
     TensorEntry, TensorStream, read_f32_scalars, read_shard_header, shard_files,
@@ -83,10 +83,15 @@ class NVFP4Checkpoint:
     # Stored global scales whose exact source value a converter recorded (see nvfp4_scheme).
     recorded_inverses: dict[str, float] = field(default_factory=dict)
     entries: dict[str, TensorEntry] = field(default_factory=dict)  # name -> file and byte range
+    semantics: str = "exact"  # how stored scales become computed values (nvfp4_scheme.NVFP4_SEMANTICS)
 
     # ---------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, folder: str | Path, scheme: QuantScheme | None = None) -> "NVFP4Checkpoint":
+    def open(cls, folder: str | Path, scheme: QuantScheme | None = None,
+             semantics: str = "exact") -> "NVFP4Checkpoint":
+        """`semantics`: how stored scales become computed values (nvfp4_scheme.NVFP4_SEMANTICS)."""
+        if semantics not in NVFP4_SEMANTICS:
+            raise ValueError(f"unknown NVFP4 semantics {semantics!r}; one of {', '.join(NVFP4_SEMANTICS)}")
         folder = Path(folder)
         config = read_json(folder / "config.json")
         scheme = scheme or detect_scheme(folder, config)
@@ -100,7 +105,7 @@ class NVFP4Checkpoint:
             recorded.update(parse_exact_inverse(metadata))
         tensors = SafetensorsDir(folder)
         headers, scalars = _scan(tensors, entries)
-        ckpt = cls(folder, config, scheme, tensors, headers, {}, {}, [], [], {}, recorded, entries)
+        ckpt = cls(folder, config, scheme, tensors, headers, {}, {}, [], [], {}, recorded, entries, semantics)
         ckpt._build_linears(scalars)
         ckpt._build_kv_scales(scalars)
         ckpt._check_exclusions()
@@ -209,7 +214,7 @@ class NVFP4Checkpoint:
             stored = self._scalar(names[role], scalars)
             recorded = self.recorded_inverses.get(names[role])
             if self.scheme.is_reciprocal():
-                values[role], reciprocals[role] = exact_inverse(stored, recorded), stored
+                values[role], reciprocals[role] = exact_inverse(stored, recorded, self.semantics), stored
             else:
                 values[role], reciprocals[role] = stored, recorded
         input_scale = values.get("input")

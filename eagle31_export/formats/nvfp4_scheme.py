@@ -339,15 +339,25 @@ def _producer() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 # Reciprocal scales across the two conventions.
 
+# How a reader turns stored scales into the values it computes with (docs/nvfp4-engines.md):
+# - "exact": what the checkpoint means; a compressed-tensors global scale is inverted back to the
+#   exact ModelOpt value where the converter recorded it (EXACT_INVERSE_KEY), else in FP32;
+# - "vllm": as vLLM 0.32's loaders compute (compressed_tensors_w4a4_nvfp4.py:
+#   process_weights_after_loading): `1.0 / weight_global_scale` in FP32, any record ignored.
+#   ModelOpt scales are read as stored under both. (Per-tensor scales of fused q/k/v and gate/up
+#   Linears, which vLLM merges by their max, must agree already: the reader lists a problem otherwise.)
+NVFP4_SEMANTICS = ("exact", "vllm")
 
-def exact_inverse(stored: float, recorded: float | None) -> float:
+
+def exact_inverse(stored: float, recorded: float | None, semantics: str = "exact") -> float:
     """The other convention's value of a stored global scale.
 
     FP32 reciprocals do not round-trip for about one value in seven, so a converter that
     writes reciprocals records the source value in the shard's header (EXACT_INVERSE_KEY).
-    A record is used only while it is still consistent with the stored value.
+    A record is used only while it is still consistent with the stored value, and only under the
+    "exact" semantics (NVFP4_SEMANTICS): an engine that inverts in FP32 never reads it.
     """
-    if recorded is not None and reciprocal_f32(recorded) == stored:
+    if semantics == "exact" and recorded is not None and reciprocal_f32(recorded) == stored:
         return recorded
     return reciprocal_f32(stored)
 

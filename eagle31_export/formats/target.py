@@ -281,13 +281,14 @@ def _first_of(path: Path, problems: list[str]) -> str:
 
 
 def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, act_quant: bool = False,
-                   stored_weights: bool = False):
+                   stored_weights: bool = False, nvfp4_semantics: str = "exact"):
     """A transformers causal LM with the checkpoint's weights, in `dtype`, in eval mode.
 
     The checkpoint is checked against its config before any weight is loaded, and the loaded
     weights for NaN/Inf and all-zero norms (in memory: no second read of the files).
     NVFP4 checkpoints get dequantized weights; with `act_quant` every quantized Linear also
-    fake-quantizes its input to NVFP4, as the runtime's W4A4 GEMMs do.
+    fake-quantizes its input to NVFP4, as the runtime's W4A4 GEMMs do. `nvfp4_semantics`: how stored
+    scales become computed values, "exact" or an engine's (nvfp4_scheme.NVFP4_SEMANTICS).
 
     `stored_weights`: keep the weights in memory as stored wherever `dtype` widens them exactly
     (a bf16 checkpoint stays bf16; NVFP4 Linears stay packed, `nvfp4_model.NVFP4Linear`), for a
@@ -307,7 +308,8 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     if nvfp4:
         from eagle31_export.formats.nvfp4_model import build_model
 
-        model = build_model(NVFP4Checkpoint.open(path), dtype=dtype, act_quant=act_quant, packed=stored_weights)
+        model = build_model(NVFP4Checkpoint.open(path, semantics=nvfp4_semantics), dtype=dtype, act_quant=act_quant,
+                            packed=stored_weights)
     else:
         model = _load_stored(path, dtype, layout) if stored_weights else _load_plain(path, dtype)
     params = list(model.named_parameters())

@@ -103,7 +103,9 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     # under load, enough prompts by default that the highest level really has C requests in flight
     count = max(8, *concurrency)
     prompts = read_prompts(prompts_file, target, vocab) if prompts_file else default_prompts(vocab, count)
-    options = LoadOptions(dtype=torch.float32, act_quant=act_quant, device=device)
+    # the reference reads NVFP4 scales as the engine compared with does (formats/nvfp4_scheme.NVFP4_SEMANTICS)
+    options = LoadOptions(dtype=torch.float32, act_quant=act_quant, device=device,
+                          nvfp4_semantics=runtime_named(runtime).nvfp4_semantics)
     return _run_sides(runtime, PairSource.of(drafter, target), PairSource.of(drafter, target, bundle, url), options,
                       prompts, depth, max_new_tokens, temperature, seed, mode, phases, runtime_options, concurrency)
 

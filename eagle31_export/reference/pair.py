@@ -25,8 +25,9 @@ class ReferencePair:
 
 
 def load_pair(drafter_path: str | os.PathLike, target_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-              act_quant: bool = False, kernels=None) -> ReferencePair:
+              act_quant: bool = False, kernels=None, nvfp4_semantics: str = "exact") -> ReferencePair:
     spec = read_pair(drafter_path, target_path)
-    target = load_target(target_path, spec.aux_layer_ids, dtype=dtype, act_quant=act_quant)
+    target = load_target(target_path, spec.aux_layer_ids, dtype=dtype, act_quant=act_quant,
+                         nvfp4_semantics=nvfp4_semantics)
     drafter = build_drafter(spec.checkpoint, dtype=dtype, target_model=target.model, kernels=kernels)
     return ReferencePair(spec.checkpoint, spec.target_info, spec.aux_layer_ids, target, ReferenceDrafterBackend(drafter))

