@@ -339,7 +339,7 @@ def _producer() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 # Reciprocal scales across the two conventions.
 
-# How a reader turns stored scales into the values it computes with (docs/nvfp4-engines.md):
+# How a reader turns stored scales into the values it computes with:
 # - "exact": what the checkpoint means; a compressed-tensors global scale is inverted back to the
 #   exact ModelOpt value where the converter recorded it (EXACT_INVERSE_KEY), else in FP32;
 # - "vllm": as vLLM 0.32's loaders compute (compressed_tensors_w4a4_nvfp4.py:
