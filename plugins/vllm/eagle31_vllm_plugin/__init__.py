@@ -17,26 +17,19 @@ import logging
 
 log = logging.getLogger("eagle31_vllm_plugin")
 
-# What `register` did, for the one line in vLLM's log and for tests that ask inside a vLLM process.
-STATE = {"registered": False, "reason": "not run"}
-
 
 def register() -> None:
     """vLLM's `vllm.general_plugins` entry point."""
     from vllm.platforms import PlatformEnum, current_platform
 
     if not current_platform.is_cpu():
-        STATE.update(registered=False, reason=f"platform {current_platform._enum.name}: vLLM has NVFP4 kernels")
         return
     from vllm.model_executor.kernels.linear import _POSSIBLE_NVFP4_KERNELS
     from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
 
     kernels = _POSSIBLE_NVFP4_KERNELS.setdefault(PlatformEnum.CPU, [])
     if kernels and EmulationNvFp4LinearKernel not in kernels:
-        # this vLLM has CPU NVFP4 kernels of its own: leave its choice alone
-        STATE.update(registered=False, reason="vLLM lists CPU NVFP4 kernels of its own")
-        return
+        return  # this vLLM has CPU NVFP4 kernels of its own: leave its choice alone
     if EmulationNvFp4LinearKernel not in kernels:
         kernels.append(EmulationNvFp4LinearKernel)
-    STATE.update(registered=True, reason="EmulationNvFp4LinearKernel listed for the CPU platform")
     log.info("eagle31-vllm-plugin: NVFP4 linear layers on the CPU use vLLM's EmulationNvFp4LinearKernel")
