@@ -3,10 +3,13 @@
 Pass rules (defaults in `Thresholds`):
 - greedy: generated tokens identical for every prompt (speculation is lossless, so any
   difference is a runtime bug, not noise);
-- fp32 runtime, greedy: every round's drafts and `accepted_per_step` identical too (a random or
-  weak drafter accepts little, so drafts are where a drafter-side bug shows first);
-- fp16/bf16 runtime, greedy: mean tau within `tau_rel_tol` of the reference (statistical: rounding
-  may turn a near-tie, so differing tokens are counted in the report, not failed on);
+- greedy: every round's `accepted_per_step` (and drafts, where the runtime reports them) identical
+  too (a random or weak drafter accepts little, so drafts are where a drafter-side bug shows first);
+- greedy replay, any precision: a difference where the reference's own logit gap is within the
+  tie tolerance of the runtime's precision is a numerical tie, counted and listed, never a failure
+  (parity/ties.py); every other difference fails with its symptom;
+- fp16/bf16 runtime, greedy without replay: mean tau within `tau_rel_tol` of the reference
+  (statistical: differing tokens are counted, not failed on);
 - sampling: per-position acceptance rates within a binomial confidence bound.
 Each failure is named by its symptom, which points at the usual cause.
 """
@@ -24,6 +27,7 @@ import torch
 from eagle31_export.errors import UserError
 from eagle31_export.parity.concurrency import ConcurrencyRow, LoadRuns, check_runtime_serves, compare_levels, run_levels
 from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
+from eagle31_export.parity.ties import Divergence, divergences
 from eagle31_export.progress import Phases
 from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
 from eagle31_export.reference.statistics import accepted_per_position
@@ -36,6 +40,20 @@ class Thresholds:
     logits_atol: float = 1e-3  # fp32 runtimes: first-step draft logits
     half_precision_logits_atol: float = 5e-2
     sampling_z: float = 3.0
+    # Logit gaps within which the reference's two candidates are a numerical tie (parity/ties.py).
+    # fp32: batched vs single-sequence logits of the tiny pair differ by up to 7.6e-6. Half precision:
+    # `benchmarks/tie_tolerance.py` prints how far the reference's own decision margins move between
+    # fp32 and bf16 (a few hundredths with bf16 or W4A16 weights; tenths once activations are
+    # quantized to FP4 too, `--act-quant`, where one rounding flips a whole FP4 step), beside these.
+    tie_gap_fp32: float = 1e-4
+    tie_gap_half_precision: float = 0.25
+    tie_gap_half_precision_fp4_activations: float = 1.0
+    fp4_activations: bool = False  # the compared target quantizes its activations (W4A4)
+
+    def tie_gap(self, exact: bool) -> float:
+        if exact:
+            return self.tie_gap_fp32
+        return self.tie_gap_half_precision_fp4_activations if self.fp4_activations else self.tie_gap_half_precision
 
 
 @dataclass
@@ -58,6 +76,9 @@ class PromptRow:
     # rounds whose draft at position i+1 was accepted (the counters vLLM keeps)
     accepted_per_position_reference: list[int] = field(default_factory=list)
     accepted_per_position_runtime: list[int] = field(default_factory=list)
+    # replay: every differing token / round, as a numerical tie or not (parity/ties.py); None: not judged
+    ties: list[str] | None = None
+    untied: list[str] | None = None
 
 
 @dataclass
@@ -91,10 +112,23 @@ class ParityReport:
                     "(sampling: statistical)")
         seen = "tokens, rounds, accepted per round" + (", drafts" if self.drafts_reported else
                                                       " and per position (the runtime reports no drafts)")
+        if self.ties_judged:
+            where = ("fp32, exact" if self.exact else "half precision" +
+                     (" with FP4 activations" if self.thresholds.fp4_activations else ""))
+            return (f"{seen}: identical ({where}), except numerical ties (reference logit gap <= "
+                    f"{self.thresholds.tie_gap(self.exact):g}), which are listed")
         if self.exact:
             return f"{seen}: identical (fp32, exact)"
         return (f"mean tau within {self.thresholds.tau_rel_tol:.0%}; prompts with differing tokens counted, not "
                 "failed (half precision: statistical)")
+
+    @property
+    def ties_judged(self) -> bool:
+        return bool(self.rows) and all(r.ties is not None for r in self.rows)
+
+    @property
+    def tie_count(self) -> int:
+        return sum(len(r.ties or []) for r in self.rows)
 
     def tau(self, side: str) -> float:
         values = [getattr(r, f"tau_{side}") for r in self.rows]
@@ -104,7 +138,8 @@ class ParityReport:
         return {"passed": self.passed, "runtime": self.runtime, "mode": self.mode, "depth": self.depth,
                 "temperature": self.temperature, "exact_comparison": self.exact,
                 "compared": self.compared,
-                "thresholds": asdict(self.thresholds), "tau_reference": self.tau("reference"),
+                "thresholds": asdict(self.thresholds), "tie_gap": self.thresholds.tie_gap(self.exact),
+                "ties": self.tie_count if self.ties_judged else None, "tau_reference": self.tau("reference"),
                 "tau_runtime": self.tau("runtime"), "failures": self.failures,
                 "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth,
                 "concurrency": [{**asdict(c), "tokens_per_second": c.tokens_per_second} for c in self.concurrency],
@@ -162,6 +197,26 @@ def _symptom(ref: SpecResult, run: SpecResult, round_index: int | None, logits_d
     return None
 
 
+def _judged_symptom(found: list[Divergence] | None, untied: list[Divergence]) -> str | None:
+    """Along the runtime's own sequence a token that differs beyond a tie is the target's (greedy
+    tokens do not depend on the drafter), and the rounds that verified it differ because of it; past
+    a tie, the first untied round names the cause. None: the usual symptom rules apply."""
+    tokens = [d for d in untied if d.kind == "token"]
+    if tokens:
+        return _untied_symptom(tokens[0])
+    if untied and found and found[0].tie:
+        return _untied_symptom(untied[0])
+    return None
+
+
+def _untied_symptom(first: Divergence) -> str:
+    """The symptom of the first difference that is not a numerical tie."""
+    if first.kind == "token":
+        which = "first token" if first.index == 0 else f"token {first.index}"
+        return f"the target's own {which} differs: target weights or NVFP4 scales"
+    return POSITION_1 if first.draft_position == 1 else LATER_POSITIONS
+
+
 class FirstDraftLogits(LoopObserver):
     """Keeps the first round's step-1 draft logits: where tap, fc and fc_norm bugs show first."""
 
@@ -182,11 +237,16 @@ def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | Non
 
 
 def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResult, logits_diff: float | None,
-                   logits_atol: float, drafts_reported: bool = True, in_order: bool = True) -> PromptRow:
+                   logits_atol: float, drafts_reported: bool = True, in_order: bool = True,
+                   tie_gap: float | None = None) -> PromptRow:
     """One prompt's row. A runtime that reports no drafts (`Speculator.reports_drafts`) is compared on
-    tokens and accepted counts; one whose rounds come as counts only (`rounds_in_order`) on their multiset."""
+    tokens and accepted counts; one whose rounds come as counts only (`rounds_in_order`) on their multiset.
+    `tie_gap`: judge every difference of a replay as a numerical tie or not (parity/ties.py)."""
     divergent = (next((i for i, (a, b) in enumerate(zip(ref.drafts, run.drafts)) if a != b), None)
                  if drafts_reported else None)
+    found = (divergences(ref, run, tie_gap, run.drafts if drafts_reported else None)
+             if tie_gap is not None and in_order else None)
+    untied = [d for d in found or [] if not d.tie]
     same_rounds = (ref.accepted_per_step == run.accepted_per_step if in_order
                    else sorted(ref.accepted_per_step) == sorted(run.accepted_per_step))
     return PromptRow(
@@ -196,8 +256,12 @@ def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResu
         first_logits_max_abs_diff=logits_diff, per_position_reference=ref.per_position_acceptance,
         per_position_runtime=run.per_position_acceptance, rounds_reference=len(ref.accepted_per_step),
         rounds_runtime=len(run.accepted_per_step),
-        symptom=_symptom(ref, run, divergent, logits_diff, logits_atol, drafts_reported),
+        symptom=None if found is not None and not untied else (
+            _judged_symptom(found, untied) or _symptom(ref, run, divergent, logits_diff, logits_atol,
+                                                       drafts_reported)),
         accepted_per_position_reference=_counts(ref), accepted_per_position_runtime=_counts(run),
+        ties=None if found is None else [d.describe() for d in found if d.tie],
+        untied=None if found is None else [d.describe() for d in untied],
     )
 
 
@@ -291,7 +355,7 @@ def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: C
             ref = reference.replay(prompt, run, observer=ref_logits)
             refs.append(ref)
             row = compare_prompt(i, prompt, ref, run, _max_abs_diff(ref_logits.logits, run_logits.logits), atol,
-                                 report.drafts_reported)
+                                 report.drafts_reported, tie_gap=thresholds.tie_gap(report.exact))
             row.target_forwards_reference = 1
             report.rows.append(row)
             phases("compare", i + 1, len(prompts))
@@ -338,7 +402,8 @@ def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
             forwards = 1 + len(ref.accepted_per_step)
         atol = thresholds.logits_atol if exact else thresholds.half_precision_logits_atol
         diff = _max_abs_diff(ref_logits.logits, run_logits.logits)
-        row = compare_prompt(i, prompt, ref, run, diff, atol, runtime.reports_drafts, runtime.rounds_in_order)
+        row = compare_prompt(i, prompt, ref, run, diff, atol, runtime.reports_drafts, runtime.rounds_in_order,
+                             tie_gap=thresholds.tie_gap(exact) if mode == "replay" else None)
         row.target_forwards_reference = forwards
         report.rows.append(row)
         runs.append(run)
@@ -351,6 +416,9 @@ def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
 
 def _failures(report: ParityReport) -> list[str]:
     out = []
+    if report.temperature == 0 and report.ties_judged:
+        return [f"prompt {row.prompt_index}: {row.untied[0]} beyond the tie tolerance "
+                f"{report.thresholds.tie_gap(report.exact):g} ({row.symptom})" for row in report.rows if row.untied]
     if report.temperature == 0:
         for row in report.rows:
             if not report.exact:

@@ -55,6 +55,7 @@ def markdown(report: ParityReport) -> str:
                   + (f"; {worst.symptom}" if worst.symptom else "") + ")", ""]
     if report.failures:
         lines += ["## Failures", ""] + [f"- {f}" for f in report.failures] + [""]
+    lines += tie_lines(report)
     lines += per_depth_lines(report)
     lines += concurrency_lines(report.concurrency, report.runtime, report.tau("reference"))
     lines += ["Thresholds: " + ", ".join(f"{k}={v}" for k, v in report.to_json()["thresholds"].items()),
@@ -62,6 +63,14 @@ def markdown(report: ParityReport) -> str:
               + (", `per_depth.png`" if report.per_depth else "")
               + (", `tau_by_concurrency.png`" if report.concurrency else "") + ".", ""]
     return "\n".join(lines)
+
+
+def tie_lines(report: ParityReport) -> list[str]:
+    """Each numerical tie (parity/ties.py), by prompt: what was not failed on, and why."""
+    if not report.ties_judged or not report.tie_count:
+        return []
+    lines = [f"## Numerical ties ({report.tie_count}; tolerance {report.thresholds.tie_gap(report.exact):g})", ""]
+    return lines + [f"- prompt {r.prompt_index}: {tie}" for r in report.rows for tie in r.ties] + [""]
 
 
 def _drafts_row(report: ParityReport) -> str:

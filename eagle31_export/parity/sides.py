@@ -21,7 +21,7 @@ from eagle31_export.errors import UserError
 from eagle31_export.formats.outputs import MANIFEST, check_artifacts, check_consumed
 from eagle31_export.formats.prompts import read_prompts
 from eagle31_export.formats.target import read_target_info
-from eagle31_export.parity.compare import MODES, ParityReport, run_parity, run_parity_in_turn
+from eagle31_export.parity.compare import MODES, ParityReport, Thresholds, run_parity, run_parity_in_turn
 from eagle31_export.progress import Phases
 from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator, resolve_device, runtime_named
 
@@ -159,13 +159,14 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
         def load_reference():
             return load_speculator("reference", reference_source, options)
 
+        thresholds = Thresholds(fp4_activations=options.act_quant)
         if temperature == 0 and mode in (None, "replay"):
             return run_parity_in_turn(load_runtime, load_reference, prompts, depth, max_new_tokens, seed,
-                                      progress=phases, concurrency=concurrency)
+                                      thresholds, progress=phases, concurrency=concurrency)
         with phases.phase("load_reference"):
             reference = load_reference()
         with phases.phase("load_runtime"):
             other = load_runtime()
         with other:  # a server the runtime started stops whatever happens
             return run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
-                              mode=mode, progress=phases, concurrency=concurrency)
+                              mode=mode, thresholds=thresholds, progress=phases, concurrency=concurrency)

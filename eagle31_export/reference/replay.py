@@ -61,15 +61,19 @@ def replay_greedy(target: TargetBackend, drafter: DrafterBackend, prompt: list[i
     greedy = [int(t) for t in logits[0].argmax(-1)]  # greedy[j]: the target's token after seq[: j + 1]
     p = len(prompt)
     tokens = greedy[p - 1: p - 1 + len(run.tokens)]
-    result = SpecResult(tokens=tokens, drafts=[], accepted_per_step=[], depth=run.depth)
+    result = SpecResult(tokens=tokens, drafts=[], accepted_per_step=[], depth=run.depth,
+                        token_gaps=_token_gaps(logits[0, p - 1: p - 1 + len(run.tokens)], tokens, run.tokens),
+                        draft_margins=[])
     observer.on_prefill(tokens[0])
     sampler, vocab = _Sampler(0.0, 0), logits.shape[-1]
     drafter.reset()
     for index, m in enumerate(starts):
         committed = drafter.length
         ids, positions = torch.tensor([seq[committed + 1: m + 1]]), torch.arange(committed, m).unsqueeze(0)
+        margins: list[float] = []
         drafts, _, first_logits = _draft_steps(drafter, ids, positions, taps[:, committed:m], m, run.depth,
-                                               sampler, vocab)
+                                               sampler, vocab, margins)
+        result.draft_margins.append(margins)
         drafter.truncate(m)
         accepted = _accepted(drafts, seq, greedy, m)
         result.drafts.append(drafts)
@@ -77,6 +81,15 @@ def replay_greedy(target: TargetBackend, drafter: DrafterBackend, prompt: list[i
         observer.on_round(Round(index, drafts, accepted, drafts[:accepted] + greedy[m + accepted: m + accepted + 1],
                                 first_logits if observer.wants_draft_logits else None))
     return result
+
+
+def _token_gaps(logits: torch.Tensor, greedy: list[int], committed: list[int]) -> list[float]:
+    """Per generated position: the logit of the target's own greedy token minus that of the token the
+    run committed there (0 where they agree): how far from a tie a differing token was."""
+    rows = torch.arange(len(greedy))
+    wide = logits.double()
+    return [float(g) for g in wide[rows, torch.tensor(greedy, dtype=torch.long)]
+            - wide[rows, torch.tensor(committed[:len(greedy)], dtype=torch.long)]]
 
 
 def _accepted(drafts: list[int], seq: list[int], greedy: list[int], m: int) -> int:

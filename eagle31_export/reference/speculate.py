@@ -14,7 +14,7 @@ token j+1, so its committed cache covers positions whose next token is known. Ea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -140,6 +140,13 @@ class SpecResult:
     drafts: list[list[int]]
     accepted_per_step: list[int]
     depth: int
+    # Replay only (reference/replay.py), for telling numerical ties from bugs (parity/ties.py):
+    # token_gaps[i]: the target's logit of its own greedy token minus its logit of the token the
+    # replayed run committed at generated position i (0 where they agree);
+    # draft_margins[r][k]: the drafter's top-1 minus top-2 logit at draft step k + 1 of round r.
+    # (not part of a result's equality: they describe the reference's margins, not what was decided)
+    token_gaps: list[float] | None = field(default=None, compare=False)
+    draft_margins: list[list[float]] | None = field(default=None, compare=False)
 
     @property
     def acceptance_length(self) -> float:
@@ -267,12 +274,16 @@ def speculate(target: TargetBackend, drafter: DrafterBackend, prompt_ids: list[i
     return result
 
 
-def _draft_steps(drafter: DrafterBackend, ids, positions, taps, m: int, depth: int, sampler: _Sampler, vocab: int):
-    """Step 1 on the tapped states, steps 2..depth on the drafter's own fed-back state."""
+def _draft_steps(drafter: DrafterBackend, ids, positions, taps, m: int, depth: int, sampler: _Sampler, vocab: int,
+                 margins: list[float] | None = None):
+    """Step 1 on the tapped states, steps 2..depth on the drafter's own fed-back state. `margins`, when
+    given, receives each step's top-1 minus top-2 draft logit."""
     draft_logits, fed_back = drafter.forward(ids, positions, taps, True)
     first_logits = draft_logits[0, -1].detach().clone()
     drafts, q = [], []
     for i in range(depth):
+        if margins is not None:
+            margins.append(top2_margin(draft_logits[0, -1]))
         token, dist = sampler.draft(draft_logits[0, -1], drafter, vocab)
         drafts.append(token)
         q.append(dist)
@@ -280,6 +291,14 @@ def _draft_steps(drafter: DrafterBackend, ids, positions, taps, m: int, depth: i
             draft_logits, fed_back = drafter.forward(torch.tensor([[token]]), torch.tensor([[m + i]]),
                                                      fed_back[:, -1:], False)
     return drafts, q, first_logits
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    """The top-1 minus the top-2 logit (infinite where there is one entry)."""
+    if logits.numel() < 2:
+        return float("inf")
+    top = torch.topk(logits.double(), 2).values
+    return float(top[0] - top[1])
 
 
 def _draft_chain(drafter: ChainDrafterBackend, ids, positions, taps, depth: int, sampler: _Sampler, vocab: int):
