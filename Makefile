@@ -12,7 +12,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-installed
 VLLM_PLUGIN_FILES := plugins/vllm/pyproject.toml $(wildcard plugins/vllm/eagle31_vllm_plugin/*.py)
 
-.PHONY: setup setup-vllm demo test
+.PHONY: setup setup-vllm demo test test-quick
 
 setup: $(STAMP)
 
@@ -48,3 +48,8 @@ demo: setup
 # EAGLE31_REQUIRE_VLLM: the vLLM tests fail, not skip, where the engine cannot be found
 test: setup setup-vllm
 	EAGLE31_VLLM=$(VLLM_VENV) EAGLE31_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
+
+# while working: everything but the tests marked `engine` (real vLLM / Triton engines, minutes each);
+# `make test` stays the whole suite, and what CI runs
+test-quick: setup
+	$(PY) -m pytest -q -m "not engine" tests

@@ -16,8 +16,8 @@ def make_mid_pair(work: Path, hidden: int, layers: int, intermediate: int, vocab
     """(target, drafter) folders under `work`."""
     sys.path.insert(0, str(ROOT / "tests"))
     from factories import drafter_config_for, make_target, random_drafter
-    from eagle31_export.formats.drafter import write_drafter
-    from eagle31_export.formats.target import read_target_info
+    from eagle31_export.formats.drafter.checkpoint import write_drafter
+    from eagle31_export.formats.target.checkpoint import read_target_info
 
     target, drafter = work / "target", work / "drafter"
     if not (target / "config.json").is_file():

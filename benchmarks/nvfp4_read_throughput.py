@@ -141,7 +141,7 @@ def phase_reader(folder: Path) -> int:
     copying threads only contend (measured: 2-3x slower with torch's default threads)."""
     import torch
 
-    from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
+    from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
 
     torch.set_num_threads(1)
     buf = torch.empty(16 << 20, dtype=torch.uint8)
@@ -203,7 +203,7 @@ def main() -> None:
         if args.phase == "reader":  # imports and torch's first-op set-up are not part of reading
             import torch
 
-            import eagle31_export.formats.nvfp4_reader  # noqa: F401
+            import eagle31_export.formats.nvfp4.reader  # noqa: F401
 
             torch.empty(16 << 20, dtype=torch.uint8).fill_(0).sum()
         start = time.perf_counter()

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from eagle31_export.formats.nvfp4_convert import convert_checkpoint
-from eagle31_export.formats.quantize import quantize_checkpoint
-from eagle31_export.formats.target import read_target_info
+from eagle31_export.formats.nvfp4.convert import convert_checkpoint
+from eagle31_export.formats.target.quantize import quantize_checkpoint
+from eagle31_export.formats.target.checkpoint import read_target_info
 from eagle31_export.parity.sides import check_parity, default_prompts
 from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator
 

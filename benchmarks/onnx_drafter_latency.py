@@ -66,7 +66,7 @@ def main() -> None:
     from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test factories
     from factories import random_drafter
-    from eagle31_export.formats.drafter import write_drafter
+    from eagle31_export.formats.drafter.checkpoint import write_drafter
     from eagle31_export.reference.drafter import build_drafter
     from eagle31_export.reference.speculate import ReferenceDrafterBackend
     from eagle31_export.runtime.onnxruntime import OnnxExport, OrtChainDrafterBackend, OrtDrafterBackend

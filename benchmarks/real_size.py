@@ -281,7 +281,7 @@ def drafter_config(args: argparse.Namespace, tcfg: dict):
 
 
 def drafter_bytes(cfg) -> int:
-    from eagle31_export.formats.drafter import expected_shapes
+    from eagle31_export.formats.drafter.checkpoint import expected_shapes
 
     shapes = expected_shapes(cfg)
     floats = sum(math.prod(s) for n, s in shapes.items() if n not in ("d2t", "t2d", "embed_tokens.weight"))
@@ -291,7 +291,7 @@ def drafter_bytes(cfg) -> int:
 def write_drafter_folder(folder: Path, cfg, layout: str, seed: int) -> None:
     import torch
 
-    from eagle31_export.formats.drafter import DrafterCheckpoint, expected_shapes, t2d_from_d2t, write_drafter
+    from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, expected_shapes, t2d_from_d2t, write_drafter
 
     tensors = {}
     for i, (name, shape) in enumerate(expected_shapes(cfg).items()):

@@ -88,7 +88,7 @@ def main() -> None:
     target, drafter = make_pair(args, args.work)
     targets = [("bf16", target)]
     if args.nvfp4:
-        from eagle31_export.formats.quantize import quantize_checkpoint
+        from eagle31_export.formats.target.quantize import quantize_checkpoint
 
         nvfp4 = args.work / "target-nvfp4"
         if not (nvfp4 / "config.json").is_file():

@@ -47,8 +47,8 @@ def capture(
 ) -> None:
     """Run the target once over the prompts; write what greedy speculation reads from it."""
     from eagle31_export.formats.prompts import read_prompts
-    from eagle31_export.formats.target import read_target_info
-    from eagle31_export.formats.target_tp import launch_world
+    from eagle31_export.formats.target.checkpoint import read_target_info
+    from eagle31_export.formats.target.tensor_parallel import launch_world
     from eagle31_export.parity.sides import default_prompts
     from eagle31_export.reference.capture import CaptureOptions, capture as run_capture, resolve_aux_layer_ids
     from eagle31_export.runtime.registry import resolve_device

@@ -34,8 +34,8 @@ def quantize(
 ) -> None:
     """Quantize a checkpoint to NVFP4 (ModelOpt numerics, bit-exact), or convert NVFP4 between formats."""
     from eagle31_export.formats.prompts import read_prompts
-    from eagle31_export.formats.quantize import quantize_checkpoint
-    from eagle31_export.formats.target import read_target_info
+    from eagle31_export.formats.target.quantize import quantize_checkpoint
+    from eagle31_export.formats.target.checkpoint import read_target_info
 
     if fmt not in ("modelopt", "compressed-tensors"):
         raise UserError(f"--format {fmt!r}: use modelopt or compressed-tensors")

@@ -92,7 +92,7 @@ def speculate(
     else:
         ids = parse_prompt_ids(prompt_ids)
     if target is not None:  # before anything loads: ids the target's embedding has no row for
-        from eagle31_export.formats.target import read_target_info
+        from eagle31_export.formats.target.checkpoint import read_target_info
 
         check_prompt_ids(ids, read_target_info(target).vocab_size, "--prompt-ids")
     if capture is not None and target is not None:

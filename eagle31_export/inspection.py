@@ -10,14 +10,14 @@ import torch
 
 from eagle31_export.config import ConfigError, output_to_before_layer, with_max_positions
 from eagle31_export.errors import CheckpointError
-from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, t2d_from_d2t
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, t2d_from_d2t
 from eagle31_export.formats.pair import pair_problems
 from eagle31_export.formats.safetensors_io import read_json
-from eagle31_export.formats.target import inspect_target, read_target_info
+from eagle31_export.formats.target.checkpoint import inspect_target, read_target_info
 
 
 def is_drafter(path: Path) -> bool:
-    from eagle31_export.formats.drafter_formats import looks_like_drafter  # the markers detect_format uses
+    from eagle31_export.formats.drafter.formats import looks_like_drafter  # the markers detect_format uses
 
     return looks_like_drafter(read_json(path / "config.json"))
 

@@ -12,8 +12,8 @@ import torch
 torch.set_num_threads(1)
 
 from factories import drafter_config_for, make_target, random_drafter
-from eagle31_export.formats.drafter import write_drafter
-from eagle31_export.formats.target import read_target_info
+from eagle31_export.formats.drafter.checkpoint import write_drafter
+from eagle31_export.formats.target.checkpoint import read_target_info
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +55,7 @@ def eagle3_dir(tiny_dir, eagle3_ckpt) -> Path:
 def fp64_llama(llama_target):
     """The tiny target in float64: chunked and incremental forwards then agree to ~1e-15, so greedy
     argmax comparisons are not at the mercy of fp32 rounding."""
-    from eagle31_export.formats.target import load_causal_lm
+    from eagle31_export.formats.target.checkpoint import load_causal_lm
 
     return load_causal_lm(llama_target, dtype=torch.float64)
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from eagle31_export.config import DrafterConfig, MlaConfig, TargetInfo
-from eagle31_export.formats.drafter import DrafterCheckpoint, expected_shapes, t2d_from_d2t
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, expected_shapes, t2d_from_d2t
 
 TARGET_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 

@@ -52,8 +52,8 @@ def test_layouts_read_back_as_written(tmp_path):
     """Every drafter layout the script writes is read back in that layout, with valid d2t/t2d,
     and fits its target."""
     from eagle31_export.config import compatibility_problems
-    from eagle31_export.formats.drafter import read_drafter
-    from eagle31_export.formats.target import check_target, read_target_info
+    from eagle31_export.formats.drafter.checkpoint import read_drafter
+    from eagle31_export.formats.target.checkpoint import check_target, read_target_info
 
     rs = _module()
     args = rs.parse_args([*TINY, "--eagle31", "--qwen3"])

@@ -17,8 +17,8 @@ from eagle31_export.demo.pair import DRAFTERS, EmbeddedPair
 from eagle31_export.errors import UserError
 from eagle31_export.export.onnx_export import export_onnx
 from eagle31_export.formats.capture import Capture
-from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, write_drafter
-from eagle31_export.formats.quantize import quantize_checkpoint
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, write_drafter
+from eagle31_export.formats.target.quantize import quantize_checkpoint
 from eagle31_export.parity.sides import check_parity
 from eagle31_export.reference.capture import CaptureOptions, capture, resolve_aux_layer_ids
 from eagle31_export.reference.capture_target import CaptureTarget

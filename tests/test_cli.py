@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from eagle31_export.formats.drafter import write_drafter
+from eagle31_export.formats.drafter.checkpoint import write_drafter
 from eagle31_export.reference.pair import load_pair
 from factories import greedy_decode
 
@@ -31,7 +31,7 @@ def test_inspect_eagle3_without_target(cli, eagle3_dir):
 
 def test_inspect_reports_incompatibility_and_exits_1(cli, tmp_path, eagle31_ckpt, llama_target):
     bad = eagle31_ckpt.config.replace(aux_layer_ids=(1, 3, 12))
-    from eagle31_export.formats.drafter import DrafterCheckpoint
+    from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint
 
     folder = write_drafter(DrafterCheckpoint(bad, eagle31_ckpt.tensors), tmp_path / "bad", "modelopt")
     code, out, _ = cli("inspect", folder, "--target", llama_target, "--json")

@@ -4,6 +4,12 @@ import importlib.util
 import json
 import os
 
+import pytest
+
+
+# real engines or servers, or minutes: `make test` runs it, `make test-quick` does not
+pytestmark = pytest.mark.engine
+
 
 def test_demo_writes_every_artifact_and_a_passing_parity_report(cli, tmp_path):
     out = tmp_path / "demo"

@@ -18,7 +18,7 @@ from factories import drafter_config_for, greedy_decode, random_drafter
 from parity.sabotage import pre_norm_feedback
 from eagle31_export.demo.pair import DRAFTERS, EmbeddedPair
 from eagle31_export.errors import UserError
-from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, write_drafter
 from eagle31_export.parity.acceptance import teacher_forced_agreement
 from eagle31_export.parity.diagnose import (DepthRow, DiagnoseReport, FcInput, diagnose, diagnose_speculator,
                                             verdict)

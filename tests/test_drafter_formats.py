@@ -10,8 +10,8 @@ from safetensors.torch import save_file
 from eagle31_export.config import DrafterConfig, MlaConfig
 from eagle31_export.errors import CheckpointError
 from factories import drafter_config_for, random_drafter
-from eagle31_export.formats.drafter import expected_shapes, format_drafter, read_drafter, write_drafter
-from eagle31_export.formats.drafter_formats import (
+from eagle31_export.formats.drafter.checkpoint import expected_shapes, format_drafter, read_drafter, write_drafter
+from eagle31_export.formats.drafter.formats import (
     FORMATS,
     MLA_ARCHITECTURE_PATCH,
     consumer_layout,

@@ -8,7 +8,7 @@ import pytest
 
 from factories import drafter_config_for, random_drafter
 from eagle31_export.export import capabilities as caps
-from eagle31_export.formats.drafter import write_drafter
+from eagle31_export.formats.drafter.checkpoint import write_drafter
 
 
 @pytest.fixture(autouse=True)

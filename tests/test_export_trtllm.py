@@ -10,7 +10,7 @@ import yaml
 from safetensors import safe_open
 
 from factories import drafter_config_for, random_drafter
-from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, write_drafter
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, write_drafter
 from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.reference.pair import load_pair
 from eagle31_export.reference.speculate import ReferenceDrafterBackend, speculate
@@ -194,7 +194,7 @@ def test_existing_output_needs_force(cli, tmp_path, eagle31_dir, llama_target):
 
 
 def test_target_with_problems_is_refused(monkeypatch, cli, tmp_path, eagle31_dir, llama_target):
-    import eagle31_export.formats.target as target_mod
+    import eagle31_export.formats.target.checkpoint as target_mod
 
     monkeypatch.setattr(target_mod, "inspect_target",
                         lambda path: {"problems": ["weight_scale of layers.0.mlp.up_proj has the wrong shape"]})

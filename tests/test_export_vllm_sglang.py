@@ -12,7 +12,7 @@ from eagle31_export.export.sglang import export_sglang
 from eagle31_export.export.trtllm import export_trtllm
 from eagle31_export.export.vllm import export_vllm
 from factories import drafter_config_for, random_drafter
-from eagle31_export.formats.drafter import read_drafter, write_drafter
+from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
 from eagle31_export.reference.target import ReferenceTarget
 
 
@@ -110,7 +110,7 @@ def test_sglang_drafter_and_flags(bundles):
 def test_every_format_taps_the_same_target_tensors(bundles, llama_target):
     """vLLM's before-layer ids v and the output-of-layer ids o of SGLang / TensorRT-LLM name the
     same tensors: HF hidden_states[v] == hidden_states[o + 1] == the reference tap of layer o."""
-    from eagle31_export.formats.target import load_causal_lm
+    from eagle31_export.formats.target.checkpoint import load_causal_lm
 
     model = load_causal_lm(llama_target)
     ids = torch.tensor([[5, 9, 200, 17, 3]])

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle31_export.errors import UserError
 from eagle31_export.export.vllm import export_vllm
-from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, write_drafter
-from eagle31_export.formats.drafter_formats import FORMATS
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, write_drafter
+from eagle31_export.formats.drafter.formats import FORMATS
 from factories import drafter_config_for, random_drafter
 
 

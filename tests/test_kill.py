@@ -33,12 +33,16 @@ import pytest
 
 from factories import drafter_config_for, make_target, random_drafter
 from eagle31_export.export.trtllm import export_trtllm
-from eagle31_export.formats.drafter import write_drafter
+from eagle31_export.formats.drafter.checkpoint import write_drafter
 from eagle31_export.formats.outputs import verify_output
-from eagle31_export.formats.target import read_target_info
+from eagle31_export.formats.target.checkpoint import read_target_info
 
 FRESH = (0.05, 0.25, 0.45, 0.65, 0.85)
 FORCED = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+# real engines or servers, or minutes: `make test` runs it, `make test-quick` does not
+pytestmark = pytest.mark.engine
 
 
 class Forker:

@@ -3,8 +3,8 @@ flags its EAGLE 3.1 checkpoint sets). Full-size weights are ~2 GB, so shapes are
 meta device: the reader must produce the architecture those weights have."""
 
 from factories import kimi_make_pair_module
-from eagle31_export.formats.drafter import expected_shapes
-from eagle31_export.formats.drafter_formats import detect_format
+from eagle31_export.formats.drafter.checkpoint import expected_shapes
+from eagle31_export.formats.drafter.formats import detect_format
 
 # the published config (examples/kimi/make_pair.py) plus the flags of its EAGLE 3.1 checkpoint
 KIMI_EAGLE31_MLA = {**kimi_make_pair_module().PUBLISHED_DRAFTER, "fc_norm": True, "norm_output": True}

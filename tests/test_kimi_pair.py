@@ -16,9 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from factories import assert_ttt_matches_inference, kimi_make_pair_module
+from eagle31_export.errors import CheckpointError
+from eagle31_export.export.onnx_export import export_onnx
 from eagle31_export.demo.pair import EmbeddedPair, pair_folder
-from eagle31_export.formats.drafter import read_drafter, write_drafter
-from eagle31_export.formats.target import load_causal_lm, read_target_config, transformers_config
+from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
+from eagle31_export.formats.target.checkpoint import load_causal_lm, read_target_config, transformers_config
 from eagle31_export.reference.target import load_target, tapped_forward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +84,7 @@ def test_reference_target_equals_transformers_deepseek_v3(grouped):
 
 @pytest.fixture(scope="module")
 def grouped_nvfp4(grouped, tmp_path_factory):
-    from eagle31_export.formats.quantize import quantize_checkpoint
+    from eagle31_export.formats.target.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("kimi") / "grouped-nvfp4"
     return quantize_checkpoint(grouped[0], out, "modelopt").out  # every Linear with whole blocks, experts too
@@ -149,8 +151,8 @@ def test_quantize_is_bit_exact_with_modelopt_on_the_moe_target(tmp_path):
     from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from eagle31_export.formats.nvfp4_calib import default_calibration_prompts
-    from eagle31_export.formats.quantize import quantize_checkpoint
+    from eagle31_export.formats.nvfp4.calibration import default_calibration_prompts
+    from eagle31_export.formats.target.quantize import quantize_checkpoint
 
     config = transformers_config(read_target_config(TARGET))
     config.architectures = ["DeepseekV3ForCausalLM"]
@@ -267,14 +269,6 @@ def _sabotaged_export(tmp_path, bug):
     sys.path.insert(0, str(ROOT / "tests" / "parity"))
     from sabotage import drop_fc_norm, pre_norm_feedback, shift_aux_ids
 
-    if bug == "nvfp4_inverted":  # compressed-tensors' reciprocal global scale read as ModelOpt's
-        broken = tmp_path / "target-nvfp4-inverted"
-        shutil.copytree(TARGET_NVFP4, broken)
-        (broken / "manifest.json").unlink()
-        tensors = load_file(str(broken / "model.safetensors"))
-        save_file({k: (1.0 / v if k.endswith("weight_scale_2") else v) for k, v in tensors.items()},
-                  str(broken / "model.safetensors"))
-        return export_onnx(DRAFTER, tmp_path / "onnx", broken)
     sabotage = {"shifted_ids": lambda c: shift_aux_ids(c, 8), "pre_norm": pre_norm_feedback,
                 "no_fc_norm": drop_fc_norm}[bug]
     drafter = write_drafter(sabotage(read_drafter(DRAFTER)), tmp_path / "drafter", "modelopt")
@@ -285,7 +279,6 @@ def _sabotaged_export(tmp_path, bug):
     ("shifted_ids", "first-step draft logits differ"),
     ("pre_norm", "first-step drafts agree, later drafts differ: fed-back state"),
     ("no_fc_norm", "first-step draft logits differ"),
-    ("nvfp4_inverted", "the target's own first token differs: target weights or NVFP4 scales"),
 ])
 def test_sabotaged_exports_are_caught(cli, tmp_path, prompts_file, all_prompts_file, bug, symptom):
     bundle = _sabotaged_export(tmp_path, bug)
@@ -297,14 +290,28 @@ def test_sabotaged_exports_are_caught(cli, tmp_path, prompts_file, all_prompts_f
     assert any(symptom in f for f in report["failures"]), report["failures"]
 
 
+def test_a_target_with_reciprocal_global_scales_is_refused_by_export(tmp_path):
+    """compressed-tensors' reciprocal global scale written where ModelOpt's belongs: every routed
+    expert then implies weights in the millions, and the export refuses the file before writing."""
+    broken = tmp_path / "target-nvfp4-inverted"
+    shutil.copytree(TARGET_NVFP4, broken)
+    (broken / "manifest.json").unlink()
+    tensors = load_file(str(broken / "model.safetensors"))
+    save_file({k: (1.0 / v if k.endswith("weight_scale_2") else v) for k, v in tensors.items()},
+              str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="336 of 336 NVFP4 Linears .* looks written as its reciprocal"):
+        export_onnx(DRAFTER, tmp_path / "onnx", broken)
+    assert not (tmp_path / "onnx").exists()
+
+
 # ---- published layouts and their readings -----------------------------------------------------
 
 def test_published_exclusion_list_without_the_router_is_servable(tmp_path):
     """nvidia/Kimi-K2.6-NVFP4 lists layer 0, each self_attn and shared_experts and lm_head, not the BF16
     router: runtimes build DeepSeek-style routers unquantized, so it is no problem; for an architecture
     whose runtimes quantize an unlisted router (Qwen3-MoE) it is."""
-    from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
-    from eagle31_export.formats.target import inspect_target
+    from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
+    from eagle31_export.formats.target.checkpoint import inspect_target
 
     folder = tmp_path / "published"
     shutil.copytree(TARGET_NVFP4, folder)
@@ -390,7 +397,7 @@ def test_precompiled_exclusion_matching_equals_the_rule():
     (exact, substring, fnmatch, "re:", vLLM's fused names) on patterns and modules of every kind."""
     import random
 
-    from eagle31_export.formats.nvfp4_scheme import is_excluded, pattern_matches, unmatched_patterns
+    from eagle31_export.formats.nvfp4.scheme import is_excluded, pattern_matches, unmatched_patterns
 
     patterns = ["lm_head", "model.layers.0*", "model.layers.1.self_attn*", "*mlp.gate", "qkv_proj", "ab*", "ab?",
                 "model.layers.2.mlp.gate_up_proj", r"re:.*experts\.1\d\..*", "embed", "*.experts.*", "x[0-9]y",
@@ -425,7 +432,7 @@ def test_published_kimi_k2_configs_at_full_size_on_the_meta_device():
     from transformers import AutoModelForCausalLM
 
     from eagle31_export.config import TargetInfo, with_max_positions
-    from eagle31_export.formats.drafter_formats import detect_format
+    from eagle31_export.formats.drafter.formats import detect_format
     from eagle31_export.formats.experts import ExpertLayout
 
     with torch.device("meta"):

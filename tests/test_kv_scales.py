@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle31_export.formats.kv_scales import parse_kv_scale, runtime_renames
-from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
+from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "examples" / "kimi" / "models"

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle31_export.formats.outputs import MANIFEST, write_manifest
-from eagle31_export.formats.drafter import write_drafter
+from eagle31_export.formats.drafter.checkpoint import write_drafter
 
 VOCAB = 256  # the session target's vocabulary
 
@@ -113,7 +113,7 @@ def rewrite_header(folder: Path, change: Callable[[dict], object] | None = None,
 
 def shard_drafter(env: Env) -> Path:
     """The drafter written as two shards plus an index."""
-    from eagle31_export.formats.drafter import read_drafter
+    from eagle31_export.formats.drafter.checkpoint import read_drafter
 
     return write_drafter(read_drafter(env.fixtures["drafter"]), env.tmp / "sharded", "specforge",
                          max_shard_bytes=60_000)
@@ -727,7 +727,7 @@ def test_corpus_covers_every_command(tmp_path, corpus_fixtures):
 
 def test_drafter_with_model_prefix_is_read(tmp_path, eagle31_dir):
     """NeMo AutoModel saves drafter tensors under `model.`: read as the same drafter."""
-    from eagle31_export.formats.drafter import read_drafter
+    from eagle31_export.formats.drafter.checkpoint import read_drafter
 
     folder = tmp_path / "nemo"
     shutil.copytree(eagle31_dir, folder)
@@ -739,7 +739,7 @@ def test_drafter_with_model_prefix_is_read(tmp_path, eagle31_dir):
 
 
 def test_convert_reads_a_legitimate_pickle_into_the_same_drafter(cli, tmp_path, eagle31_dir):
-    from eagle31_export.formats.drafter import read_drafter
+    from eagle31_export.formats.drafter.checkpoint import read_drafter
 
     folder = tmp_path / "eagle-release"
     shutil.copytree(eagle31_dir, folder)

@@ -9,11 +9,11 @@ from safetensors.torch import load_file, save_file
 
 from eagle31_export.errors import UserError
 from factories import make_target
-from eagle31_export.formats.nvfp4 import reciprocal_f32
-from eagle31_export.formats.nvfp4_convert import convert_checkpoint
-from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
-from eagle31_export.formats.quantize import quantize_checkpoint
-from eagle31_export.formats.target import inspect_target, load_causal_lm
+from eagle31_export.formats.nvfp4.numerics import reciprocal_f32
+from eagle31_export.formats.nvfp4.convert import convert_checkpoint
+from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
+from eagle31_export.formats.target.quantize import quantize_checkpoint
+from eagle31_export.formats.target.checkpoint import inspect_target, load_causal_lm
 
 
 def bits(t):

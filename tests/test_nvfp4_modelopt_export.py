@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from factories import make_target
-from eagle31_export.formats.nvfp4_calib import default_calibration_prompts
-from eagle31_export.formats.quantize import quantize_checkpoint
-from eagle31_export.formats.target import inspect_target, load_causal_lm
+from eagle31_export.formats.nvfp4.calibration import default_calibration_prompts
+from eagle31_export.formats.target.quantize import quantize_checkpoint
+from eagle31_export.formats.target.checkpoint import inspect_target, load_causal_lm
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 from modelopt.torch.export import export_hf_checkpoint  # noqa: E402

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eagle31_export.formats import nvfp4
+from eagle31_export.formats.nvfp4 import numerics as nvfp4
 
 qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor.nvfp4_tensor")
 NVFP4QTensor = qtensor.NVFP4QTensor

@@ -18,8 +18,8 @@ from eagle31_export.export import onnx_plugins as P
 from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
 from eagle31_export.export.onnx_graph import OPSET, ExternalWeights, GraphBuilder
 from factories import drafter_config_for, random_drafter, without_padding
-from eagle31_export.formats.drafter import read_drafter, write_drafter
-from eagle31_export.formats.target import load_causal_lm
+from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
+from eagle31_export.formats.target.checkpoint import load_causal_lm
 from eagle31_export.reference.attention import KVCache
 from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.reference.ops import fc_norm_fusion, post_norm_feedback

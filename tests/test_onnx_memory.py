@@ -15,8 +15,8 @@ from onnx import TensorProto
 
 from eagle31_export.export.onnx_export import export_onnx
 from eagle31_export.export.onnx_graph import ExternalWeights, storage_dtype
-from eagle31_export.formats.drafter import read_drafter, write_drafter
-from eagle31_export.formats.target import load_causal_lm, read_target_info
+from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
+from eagle31_export.formats.target.checkpoint import load_causal_lm, read_target_info
 from eagle31_export.reference.attention import KVCache
 from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.runtime.onnxruntime import OnnxExport

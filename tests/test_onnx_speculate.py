@@ -18,9 +18,9 @@ import torch
 
 from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
 from factories import drafter_config_for, make_target, random_drafter
-from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, write_drafter
 from eagle31_export.formats.outputs import MANIFEST, write_manifest
-from eagle31_export.formats.target import load_causal_lm, read_target_info
+from eagle31_export.formats.target.checkpoint import load_causal_lm, read_target_info
 from eagle31_export.reference.pair import load_pair
 from eagle31_export.reference.speculate import LoopObserver, speculate
 from eagle31_export.runtime.onnxruntime import load_backends
@@ -103,7 +103,7 @@ def pairs(tmp_path_factory):
     fp32, model = nearly_bigram_target(tmp / "fp32")
     targets = {"fp32": fp32, "bf16": nearly_bigram_target(tmp / "bf16", torch.bfloat16)[0]}
     try:
-        from eagle31_export.formats.quantize import quantize_checkpoint
+        from eagle31_export.formats.target.quantize import quantize_checkpoint
     except ImportError:  # NVFP4 support not in this build: those cases skip
         quantize_checkpoint = None
     if quantize_checkpoint is not None:

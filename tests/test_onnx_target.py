@@ -14,8 +14,8 @@ from onnx.reference import ReferenceEvaluator
 from eagle31_export.export import onnx_nvfp4 as Q
 from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
 from factories import drafter_config_for, make_target, random_drafter, without_padding
-from eagle31_export.formats.drafter import write_drafter
-from eagle31_export.formats.target import load_causal_lm, read_target_info
+from eagle31_export.formats.drafter.checkpoint import write_drafter
+from eagle31_export.formats.target.checkpoint import load_causal_lm, read_target_info
 from eagle31_export.reference.target import ReferenceTarget
 
 LAYERS = 4
@@ -77,7 +77,7 @@ def test_target_graph_matches_the_reference(tmp_path, family):
 @pytest.fixture(scope="module")
 def nvfp4_targets(tmp_path_factory):
     """The tiny target quantized by `quantize`, in both checkpoint formats."""
-    quantize_checkpoint = pytest.importorskip("eagle31_export.formats.quantize").quantize_checkpoint
+    quantize_checkpoint = pytest.importorskip("eagle31_export.formats.target.quantize").quantize_checkpoint
 
     tmp = tmp_path_factory.mktemp("nvfp4")
     plain = make_target(tmp / "plain", "llama", seed=6, num_layers=LAYERS)
@@ -139,7 +139,7 @@ def test_both_flavours_dequantize_to_identical_weights(tmp_path, nvfp4_targets):
         g.output(Q.dequantized_weight(g, *weight, flavor), "w", TensorProto.FLOAT, list(weight[1].shape))
         model = g.model([Q.dequantize_function()] if flavor == "onnxruntime" else [])
         results.append(ReferenceEvaluator(model).run(None, {})[0])
-    from eagle31_export.formats.nvfp4 import dequantize
+    from eagle31_export.formats.nvfp4.numerics import dequantize
 
     want = dequantize(weight[1].packed, weight[1].scale, weight[1].scale_2).numpy()
     np.testing.assert_array_equal(results[0], results[1])

@@ -1,7 +1,7 @@
 """`export onnx --flavor tensorrt-w4a4`: every quantized Linear's input goes through ModelOpt's
 TRT_FP4DynamicQuantize -> DequantizeLinear x2 form, and what those nodes compute (run by
 onnx.reference with our TRT_FP4DynamicQuantize) is the W4A4 reference's activation quantization
-(formats/nvfp4.py: fake_quant_activation, what `parity --act-quant` runs) bit for bit; the graph's
+(formats/nvfp4/numerics.py: fake_quant_activation, what `parity --act-quant` runs) bit for bit; the graph's
 greedy decisions equal the W4A4 reference target's. A zero scale is written as ModelOpt writes it."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from onnx.reference import ReferenceEvaluator
 from eagle31_export.export import onnx_nvfp4 as Q
 from eagle31_export.export import onnx_w4a4 as W
 from eagle31_export.export.onnx_export import OnnxExportOptions, export_onnx
-from eagle31_export.formats.drafter import write_drafter
-from eagle31_export.formats.nvfp4 import fake_quant_activation
-from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
-from eagle31_export.formats.target import load_causal_lm, read_target_info
+from eagle31_export.formats.drafter.checkpoint import write_drafter
+from eagle31_export.formats.nvfp4.numerics import fake_quant_activation
+from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
+from eagle31_export.formats.target.checkpoint import load_causal_lm, read_target_info
 from eagle31_export.reference.target import ReferenceTarget
 from factories import drafter_config_for, make_target, random_drafter
 
@@ -28,7 +28,7 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def w4a4(tmp_path_factory):
-    quantize_checkpoint = pytest.importorskip("eagle31_export.formats.quantize").quantize_checkpoint
+    quantize_checkpoint = pytest.importorskip("eagle31_export.formats.target.quantize").quantize_checkpoint
     tmp = tmp_path_factory.mktemp("w4a4")
     plain = make_target(tmp / "plain", "llama", seed=6, num_layers=LAYERS)
     target = quantize_checkpoint(plain, tmp / "modelopt", "modelopt").out
@@ -73,7 +73,7 @@ def test_every_quantized_linear_input_is_dynamically_quantized_as_modelopt_write
 def test_activation_quantization_equals_the_w4a4_reference_bit_for_bit(w4a4):
     """The FP4 values and FP8 block scales TRT_FP4DynamicQuantize yields (what an FP4 GEMM consumes)
     are the W4A4 reference's: dequantized in the reference's order they give its output bit for bit
-    (zeros compared without their sign: E2M1's -0 decodes to +0 in formats/nvfp4.py). The graph's own
+    (zeros compared without their sign: E2M1's -0 decodes to +0 in formats/nvfp4/numerics.py). The graph's own
     DequantizeLinear product (block scale x input_scale, where the reference divides by 1 / input_scale)
     may round the last bit differently."""
     target, model = w4a4

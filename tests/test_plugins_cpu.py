@@ -196,7 +196,7 @@ def test_plugin_kernels_fold_once_and_refold_after_an_update(lib):
 
 
 def test_reference_drafter_runs_on_plugin_kernels(lib, eagle31_ckpt):
-    from eagle31_export.formats.drafter import DrafterCheckpoint
+    from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint
     from eagle31_export.reference.attention import KVCache
     from eagle31_export.reference.drafter import build_drafter
 

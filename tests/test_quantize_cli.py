@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from factories import make_target
-from eagle31_export.formats.quantize import quantize_checkpoint
-from eagle31_export.formats.target import inspect_target
+from eagle31_export.formats.target.quantize import quantize_checkpoint
+from eagle31_export.formats.target.checkpoint import inspect_target
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def _chain(drafter, aux, tokens):
 
 
 def test_same_weights_with_flags_on_and_off_draft_differently(llama_info, eagle31_ckpt):
-    from eagle31_export.formats.drafter import DrafterCheckpoint
+    from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint
 
     torch.manual_seed(0)
     aux = torch.randn(1, 6, eagle31_ckpt.config.fc_in_features, dtype=torch.float64) * 4
@@ -96,7 +96,7 @@ def test_same_weights_with_flags_on_and_off_draft_differently(llama_info, eagle3
 
 
 def test_cached_incremental_steps_equal_one_chunk(eagle31_ckpt):
-    from eagle31_export.formats.drafter import DrafterCheckpoint
+    from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint
 
     ckpt = DrafterCheckpoint(eagle31_ckpt.config, dict(eagle31_ckpt.tensors, **{
         "embed_tokens.weight": torch.randn(256, 64)}))

@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 from factories import drafter_config_for, make_target, random_drafter
-from eagle31_export.formats import nvfp4_model
-from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, write_drafter
-from eagle31_export.formats.nvfp4_model import NVFP4Linear
-from eagle31_export.formats.quantize import quantize_checkpoint
+from eagle31_export.formats.nvfp4 import model as nvfp4_model
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, write_drafter
+from eagle31_export.formats.nvfp4.model import NVFP4Linear
+from eagle31_export.formats.target.quantize import quantize_checkpoint
 from eagle31_export.formats.safetensors_io import SafetensorsDir
-from eagle31_export.formats.target import load_causal_lm, read_target_info
+from eagle31_export.formats.target.checkpoint import load_causal_lm, read_target_info
 from eagle31_export.reference.attention import KVCache
 from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.reference.pair import load_pair

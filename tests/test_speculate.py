@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from factories import greedy_decode, make_target
-from eagle31_export.formats.target import load_causal_lm
+from eagle31_export.formats.target.checkpoint import load_causal_lm
 from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.reference.speculate import (
     ReferenceDrafterBackend,

@@ -11,8 +11,8 @@ eagle3 = pytest.importorskip("speculators.models.eagle3")
 
 from factories import drafter_config_for, random_drafter  # noqa: E402
 from eagle31_export.export.speculators_layout import speculators_checkpoint  # noqa: E402
-from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter  # noqa: E402
-from eagle31_export.formats.target import load_causal_lm  # noqa: E402
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, write_drafter  # noqa: E402
+from eagle31_export.formats.target.checkpoint import load_causal_lm  # noqa: E402
 from eagle31_export.reference.drafter import build_drafter  # noqa: E402
 from eagle31_export.reference.ttt import ttt_forward  # noqa: E402
 

@@ -14,7 +14,7 @@ from eagle31_export.export.speculators_layout import (
     vllm_layout,
     vllm_runtime_key,
 )
-from eagle31_export.formats.drafter import read_drafter, write_drafter
+from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
 from eagle31_export.formats.safetensors_io import SafetensorsDir
 
 

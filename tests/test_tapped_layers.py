@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from factories import drafter_config_for, random_drafter
-from eagle31_export.formats.drafter import read_drafter, write_drafter
-from eagle31_export.formats.drafter_formats import FORMATS
+from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
+from eagle31_export.formats.drafter.formats import FORMATS
 from eagle31_export.reference.target import ReferenceTarget
 
 # How each format numbers taps, from the projects' own code (docs/tapped-layers.md#per-format-numbering).

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from eagle31_export.errors import CheckpointError
 from factories import make_target
-from eagle31_export.formats.nvfp4_convert import convert_checkpoint
-from eagle31_export.formats.quantize import quantize_checkpoint
-from eagle31_export.formats.target import inspect_target, load_causal_lm
+from eagle31_export.formats.nvfp4.convert import convert_checkpoint
+from eagle31_export.formats.target.quantize import quantize_checkpoint
+from eagle31_export.formats.target.checkpoint import inspect_target, load_causal_lm
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
 from sabotage import reciprocal_global_scales, transpose_block_scales  # noqa: E402

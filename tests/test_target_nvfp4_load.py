@@ -5,10 +5,10 @@ import torch
 from safetensors.torch import load_file
 
 from factories import make_target
-from eagle31_export.formats.nvfp4 import fake_quant_activation, reciprocal_f32
-from eagle31_export.formats.nvfp4_model import ActQuantLinear
-from eagle31_export.formats.quantize import quantize_checkpoint
-from eagle31_export.formats.target import inspect_target, load_causal_lm
+from eagle31_export.formats.nvfp4.numerics import fake_quant_activation, reciprocal_f32
+from eagle31_export.formats.nvfp4.model import ActQuantLinear
+from eagle31_export.formats.target.quantize import quantize_checkpoint
+from eagle31_export.formats.target.checkpoint import inspect_target, load_causal_lm
 from eagle31_export.reference.target import load_target
 
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])

@@ -24,6 +24,10 @@ PAIR = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "models"
 DRAFTERS = ("drafter-eagle31", "drafter-eagle3")
 
 
+# real engines or servers, or minutes: `make test` runs it, `make test-quick` does not
+pytestmark = pytest.mark.engine
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """One server per drafter (the repositories' model names are the same), started together."""

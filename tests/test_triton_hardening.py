@@ -47,6 +47,10 @@ LEAKS = re.compile(r"onnx|Gather|torch|Traceback|File \"|\.py\b|Error:|Exception
 RANK1_MODEL = "tensorrt_llm_rank1"
 
 
+# real engines or servers, or minutes: `make test` runs it, `make test-quick` does not
+pytestmark = pytest.mark.engine
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return make_bigram_pair(tmp_path_factory.mktemp("pair"))

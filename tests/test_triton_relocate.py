@@ -51,6 +51,10 @@ FAKE_TRTLLM = {
 }
 
 
+# real engines or servers, or minutes: `make test` runs it, `make test-quick` does not
+pytestmark = pytest.mark.engine
+
+
 def test_repositories_moved_elsewhere_are_served(cli, tmp_path, eagle31_dir, llama_target):
     inputs = tmp_path / "inputs"
     target = shutil.copytree(llama_target, inputs / "target")

@@ -12,7 +12,7 @@ from eagle31_export.export.sglang import export_sglang  # noqa: E402
 from eagle31_export.runtime.triton_repo import load_repository_configs  # noqa: E402
 from eagle31_export.export.trtllm import export_trtllm  # noqa: E402
 from eagle31_export.export.vllm import export_vllm  # noqa: E402
-from eagle31_export.formats.drafter import read_drafter  # noqa: E402
+from eagle31_export.formats.drafter.checkpoint import read_drafter  # noqa: E402
 
 
 @pytest.fixture(scope="module")

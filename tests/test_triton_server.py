@@ -24,8 +24,8 @@ pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc,http] is not 
 from eagle31_export.runtime.triton_repo import export_triton  # noqa: E402
 from eagle31_export.export.trtllm import export_trtllm  # noqa: E402
 from factories import drafter_config_for, make_target, random_drafter  # noqa: E402
-from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter  # noqa: E402
-from eagle31_export.formats.target import load_causal_lm, read_target_info  # noqa: E402
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, write_drafter  # noqa: E402
+from eagle31_export.formats.target.checkpoint import load_causal_lm, read_target_info  # noqa: E402
 from eagle31_export.reference.pair import load_pair  # noqa: E402
 from eagle31_export.reference.speculate import speculate  # noqa: E402
 from factories import greedy_decode  # noqa: E402
@@ -33,6 +33,10 @@ from eagle31_export.runtime.triton_client import generate, remote_speculate, str
 from eagle31_export.runtime.triton_server import TritonServer, free_ports  # noqa: E402
 
 VOCAB = 256
+
+
+# real engines or servers, or minutes: `make test` runs it, `make test-quick` does not
+pytestmark = pytest.mark.engine
 
 
 def make_bigram_pair(root):

@@ -32,7 +32,7 @@ def touch_header(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory, eagle31_dir, llama_target):
-    from eagle31_export.formats.quantize import quantize_checkpoint
+    from eagle31_export.formats.target.quantize import quantize_checkpoint
     from eagle31_export.runtime.triton_repo import export_triton
 
     root = tmp_path_factory.mktemp("verify")

@@ -20,7 +20,7 @@ import torch
 from eagle31_export.errors import UserError
 from eagle31_export.export.bundle import read_bundle
 from eagle31_export.export.vllm import export_vllm
-from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, write_drafter
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, write_drafter
 from eagle31_export.formats.outputs import write_manifest
 from eagle31_export.parity.compare import LATER_POSITIONS, POSITION_1
 from eagle31_export.parity.sides import check_parity
@@ -39,6 +39,10 @@ sys.path.insert(0, str(ROOT / "tests" / "parity"))
 from sabotage import drop_fc_norm, pre_norm_feedback, shift_aux_ids, shift_d2t  # noqa: E402
 
 PARITY = dict(depth=3, max_new_tokens=32)
+
+
+# real engines or servers, or minutes: `make test` runs it, `make test-quick` does not
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")

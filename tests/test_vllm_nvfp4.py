@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle31_export.formats import nvfp4_model, nvfp4_reader
-from eagle31_export.formats.nvfp4_convert import convert_checkpoint
-from eagle31_export.formats.quantize import quantize_checkpoint
+from eagle31_export.formats.nvfp4 import model as nvfp4_model, reader as nvfp4_reader
+from eagle31_export.formats.nvfp4.convert import convert_checkpoint
+from eagle31_export.formats.target.quantize import quantize_checkpoint
 from eagle31_export.export.bundle import read_bundle
 from eagle31_export.export.vllm import export_vllm
 from eagle31_export.reference import target as reference_target
@@ -38,6 +38,10 @@ from test_vllm_engine import DRAFTER31, TARGET, TINY, assert_not_vacuous, parity
 from sabotage import reciprocal_global_scales, transpose_block_scales  # noqa: E402  (tests/parity, on the path)
 
 TARGET_SYMPTOM = "the target's own"
+
+
+# real engines or servers, or minutes: `make test` runs it, `make test-quick` does not
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")

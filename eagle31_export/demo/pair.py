@@ -63,7 +63,7 @@ class EmbeddedPair:
 
     def token_prompts(self) -> list[list[int]]:
         """The pair's own token-id prompts (`prompts.json`), checked against its target's vocabulary."""
-        from eagle31_export.formats.target import read_target_info
+        from eagle31_export.formats.target.checkpoint import read_target_info
 
         path = self.folder / PROMPTS_FILE
         try:

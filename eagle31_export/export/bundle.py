@@ -23,7 +23,7 @@ from typing import Any, Mapping
 from eagle31_export.config import DrafterConfig, TargetInfo, output_to_before_layer
 from eagle31_export.errors import UserError
 from eagle31_export.export.kv_cache import BundleKvCache, TargetKvCache, bundle_kv_cache, target_kv_cache
-from eagle31_export.formats.drafter import DrafterCheckpoint, format_drafter, read_drafter
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, format_drafter, read_drafter
 from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.safetensors_io import read_json, save_tensors, write_json
 
@@ -54,7 +54,7 @@ class CheckedPair:
 
 def checked_pair(drafter: str | os.PathLike, target: str | os.PathLike) -> CheckedPair:
     """Read both checkpoints and refuse, in one line, anything a server would run wrongly."""
-    from eagle31_export.formats.target import inspect_target
+    from eagle31_export.formats.target.checkpoint import inspect_target
 
     target = Path(target).resolve()
     report = inspect_target(target)
@@ -198,7 +198,7 @@ def copy_target(target: Path, dest: Path, renames: Mapping[str, str] | None = No
     tensors of `renames` under their new names. A target written by this tool keeps its manifest only
     when copied unchanged (the bundle's own manifest covers the copy either way)."""
     from eagle31_export.formats.outputs import MANIFEST
-    from eagle31_export.formats.tensor_rename import copy_folder_renaming
+    from eagle31_export.formats.drafter.renames import copy_folder_renaming
 
     if copy_folder_renaming(target, dest, renames or {}) and (dest / MANIFEST).is_file():
         (dest / MANIFEST).unlink()

@@ -286,7 +286,7 @@ def required_features(cfg: DrafterConfig, target_quant_format: str | None) -> se
 
 def target_quant_format(target: str | Path) -> str | None:
     """The target's NVFP4 format ('modelopt' | 'compressed-tensors'), None when unquantized."""
-    from eagle31_export.formats.target import inspect_target
+    from eagle31_export.formats.target.checkpoint import inspect_target
 
     quantization = inspect_target(Path(target))["quantization"]
     return quantization["format"] if quantization else None

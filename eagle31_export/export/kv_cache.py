@@ -26,9 +26,9 @@ class TargetKvCache:
 
 def target_kv_cache(target: Path) -> TargetKvCache | None:
     """The FP8 KV cache an NVFP4 target declares or stores scales for; None otherwise."""
-    from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
-    from eagle31_export.formats.nvfp4_scheme import detect_scheme
-    from eagle31_export.formats.target import read_target_config
+    from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
+    from eagle31_export.formats.nvfp4.scheme import detect_scheme
+    from eagle31_export.formats.target.checkpoint import read_target_config
 
     config = read_target_config(target)
     if detect_scheme(target, config) is None:

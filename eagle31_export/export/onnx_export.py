@@ -80,7 +80,7 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
     and written piece by piece (onnx_graph.ExternalWeights). A drafter that takes its embeddings
     (or lm_head) from the target reads them from target.onnx.data when the target gets a graph.
     """
-    from eagle31_export.formats.drafter import read_drafter
+    from eagle31_export.formats.drafter.checkpoint import read_drafter
 
     options.validate()
     phases = Phases.of(progress)
@@ -185,7 +185,7 @@ def _shared(model, param: torch.Tensor, stored: dict[str, torch.dtype]) -> Share
 def target_graph_problem(target_path: str | os.PathLike) -> str | None:
     """Why the target gets no ONNX graph here (None: it gets one), from its config.json alone."""
     from eagle31_export.export.onnx_target import graph_problem
-    from eagle31_export.formats.target import read_target_config
+    from eagle31_export.formats.target.checkpoint import read_target_config
 
     return graph_problem(read_target_config(target_path))
 
@@ -204,7 +204,7 @@ def _load_target(ckpt, target_path, own_embeddings: bool):
     A target the graph writer does not model (MoE targets: DeepSeek-V3 / Kimi K2, ...) gets none: the
     drafter graphs are exported alone and runtimes verify with the reference target. It is then loaded
     only when the drafter takes its embeddings or lm_head from it."""
-    from eagle31_export.formats.target import check_target, load_causal_lm
+    from eagle31_export.formats.target.checkpoint import check_target, load_causal_lm
 
     aux_ids = read_pair(ckpt, target_path).aux_layer_ids  # resolves max_position_embeddings too
     no_graph = target_graph_problem(target_path)  # before loading anything

@@ -55,8 +55,8 @@ def read_nvfp4_weights(folder: str | os.PathLike) -> dict[str, Nvfp4Weight]:
     the checkpoint is not NVFP4. Scales come back in ModelOpt's convention (the reader inverts
     compressed-tensors' global scales)."""
     try:
-        from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
-        from eagle31_export.formats.target import is_nvfp4
+        from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
+        from eagle31_export.formats.target.checkpoint import is_nvfp4
     except ImportError:  # a build without NVFP4 checkpoint support loads plain checkpoints only
         return {}
     if not is_nvfp4(folder):
@@ -100,7 +100,7 @@ def positive_scales(w: Nvfp4Weight) -> Nvfp4Weight:
 
 def read_input_scales(folder: str | os.PathLike) -> dict[str, float]:
     """module -> input_scale (ModelOpt's convention) of every NVFP4 Linear; refused for a weight-only checkpoint."""
-    from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
+    from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
 
     scales = {name: info.input_scale for name, info in NVFP4Checkpoint.open(folder).linears.items()}
     missing = [name for name, s in scales.items() if s is None]

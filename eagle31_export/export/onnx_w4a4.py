@@ -20,7 +20,7 @@ positive"), so 0 becomes 1.0 here too.
 The pass rewrites a finished target graph (`onnx_target` writes the W4A16 form): every MatMul whose
 weight comes from a FLOAT4E2M1 initializer gets its activation input quantized. `reference_ops`
 gives `onnx.reference.ReferenceEvaluator` an implementation of the custom op, with the arithmetic of
-the FP4 quantization kernels our W4A4 reference follows (formats/nvfp4.py: fake_quant_activation);
+the FP4 quantization kernels our W4A4 reference follows (formats/nvfp4/numerics.py: fake_quant_activation);
 TensorRT publishes no bit-level formula for its own kernel (docs/nvfp4-tensorrt.md).
 """
 

@@ -27,7 +27,7 @@ from eagle31_export.export.capabilities import (
     required_features,
     target_quant_format,
 )
-from eagle31_export.formats.drafter_formats import consumer_layout
+from eagle31_export.formats.drafter.formats import consumer_layout
 from eagle31_export.formats.outputs import atomic_output_dir
 from eagle31_export.formats.safetensors_io import write_json
 

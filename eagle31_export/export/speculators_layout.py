@@ -1,6 +1,6 @@
 """The drafter in the speculators layout, complete enough that speculators itself loads it.
 
-`export vllm --layout speculators` writes the drafter with `formats.drafter_formats.
+`export vllm --layout speculators` writes the drafter with `formats.drafter.formats.
 SpeculatorsFormat` for any drafter (the default layout choice stays `consumer_layout`'s). Two
 things make that folder loadable by vllm-project/speculators 0.9.0 as well
 (docs/runtime-capabilities.md#the-speculators-library-as-a-consumer):
@@ -23,8 +23,8 @@ from typing import Iterator, Mapping
 import torch
 
 from eagle31_export.errors import CheckpointError
-from eagle31_export.formats.drafter import DrafterCheckpoint
-from eagle31_export.formats.drafter_formats import SpeculatorsFormat, consumer_layout
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint
+from eagle31_export.formats.drafter.formats import SpeculatorsFormat, consumer_layout
 from eagle31_export.formats.safetensors_io import SafetensorsDir, read_json
 
 LAYOUTS = ("auto", "speculators")  # `export vllm --layout`: auto is consumer_layout's choice

@@ -3,7 +3,7 @@
 EAGLE-3 runs only on TensorRT-LLM's PyTorch backend (LLM API, `trtllm-serve`, `trtllm-bench`),
 so the bundle is configuration, not engines:
 
-    OUT/drafter/       config.json + model.safetensors (layout: formats.drafter_formats.TrtllmFormat)
+    OUT/drafter/       config.json + model.safetensors (layout: formats.drafter.formats.TrtllmFormat)
     OUT/llm_api.yaml   for `trtllm-serve --config` and `trtllm-bench --config`
     OUT/README.md      the exact command line
     OUT/bundle.json    what `export triton` reads
@@ -38,7 +38,7 @@ from eagle31_export.export.capabilities import (
 )
 from eagle31_export.export.trtllm_drafter import write_trtllm_drafter
 from eagle31_export.errors import UserError
-from eagle31_export.formats.drafter_formats import consumer_layout
+from eagle31_export.formats.drafter.formats import consumer_layout
 from eagle31_export.formats.outputs import atomic_output_dir
 from eagle31_export.formats.safetensors_io import write_json
 

@@ -1,7 +1,7 @@
 """Whether TensorRT-LLM would run a drafter like the reference, and the drafter folder of its bundle.
 
 The layout itself (config keys, `midlayer.*` names, int32 `d2t`, no `t2d`) is a format like any
-other: `formats.drafter_formats.TrtllmFormat`, read back by `formats.drafter.read_drafter`. What
+other: `formats.drafter.formats.TrtllmFormat`, read back by `formats.drafter.checkpoint.read_drafter`. What
 stays here is a runtime expectation, not a layout: drafters TensorRT-LLM would run differently
 from the reference are refused, never written.
 
@@ -16,8 +16,8 @@ from typing import Any
 
 from eagle31_export.errors import UserError
 from eagle31_export.export.bundle import write_drafter_files
-from eagle31_export.formats.drafter import DrafterCheckpoint
-from eagle31_export.formats.drafter_formats import consumer_layout
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint
+from eagle31_export.formats.drafter.formats import consumer_layout
 
 
 def trtllm_problems(ckpt: DrafterCheckpoint) -> list[str]:

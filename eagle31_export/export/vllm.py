@@ -15,7 +15,7 @@ The drafter is written in the original EAGLE layout (`midlayer.*`, `fc_norm.{i}`
 `fc_norm` / `norm_output` that vLLM's llama_eagle3 reads); drafters that layout cannot hold
 (several layers, `norm_before_fc`) go in the speculators layout. MLA drafters get vLLM's
 `Eagle3DeepseekV2ForCausalLM` architecture with `model_type: kimi_k2` (a `deepseek_v3` draft is
-taken for DeepSeek MTP). The choice is `formats.drafter_formats.consumer_layout`.
+taken for DeepSeek MTP). The choice is `formats.drafter.formats.consumer_layout`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from eagle31_export.export.speculators_layout import (
     vllm_layout,
     vllm_runtime_key,
 )
-from eagle31_export.formats.drafter_formats import SpeculatorsFormat, consumer_layout
+from eagle31_export.formats.drafter.formats import SpeculatorsFormat, consumer_layout
 from eagle31_export.formats.outputs import atomic_output_dir
 from eagle31_export.formats.safetensors_io import write_json
 

@@ -255,8 +255,8 @@ def drafter_with_embeddings(drafter: str | os.PathLike, capture: Capture, out: s
     """`drafter` as it is when it holds its embeddings; otherwise a copy written to `out` (in its own
     format) with the captured target's input embeddings (and lm_head, where the target ties it), so
     that it can be exported without loading the target."""
-    from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter, write_drafter
-    from eagle31_export.formats.drafter_formats import FORMATS
+    from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, write_drafter
+    from eagle31_export.formats.drafter.formats import FORMATS
 
     ckpt = read_drafter(drafter)
     tensors = {name: ckpt.tensors[name] for name in ckpt.tensors}

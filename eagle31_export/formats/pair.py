@@ -14,8 +14,8 @@ import torch
 
 from eagle31_export.config import TargetInfo, compatibility_problems, with_max_positions
 from eagle31_export.errors import UserError
-from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter
-from eagle31_export.formats.target import read_target_info
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter
+from eagle31_export.formats.target.checkpoint import read_target_info
 
 
 @dataclass

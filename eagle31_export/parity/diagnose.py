@@ -557,8 +557,8 @@ def diagnose(drafter: str | os.PathLike, target: str | os.PathLike | None, promp
         return _diagnose_on_capture(drafter, Path(capture), onnx, prompts, prompts_file, depth, positions,
                                     num_sinks, thresholds, progress, device)
     from eagle31_export.formats.prompts import read_prompts
-    from eagle31_export.formats.target import read_target_info
-    from eagle31_export.parity.sides import bundle_sources, default_prompts
+    from eagle31_export.formats.target.checkpoint import read_target_info
+    from eagle31_export.parity.prompts import bundle_sources, default_prompts
 
     if target is None and onnx:
         target = bundle_sources(drafter)[1]
@@ -585,7 +585,7 @@ def _diagnose_on_capture(drafter: Path, capture_dir: Path, onnx: bool, prompts, 
                          positions: int, num_sinks: int, thresholds: DriftThresholds, progress: Phases,
                          device: str = "cpu") -> DiagnoseReport:
     from eagle31_export.formats.capture import Capture
-    from eagle31_export.parity.sides import capture_prompts
+    from eagle31_export.parity.prompts import capture_prompts
 
     capture = Capture.open(capture_dir)
     if prompts is None:

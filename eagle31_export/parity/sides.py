@@ -10,7 +10,6 @@ that the export reads back as the same drafter, `onnxruntime` runs an `export on
 from __future__ import annotations
 
 import json
-import random
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -20,28 +19,11 @@ import torch
 from eagle31_export.errors import UserError
 from eagle31_export.formats.outputs import MANIFEST, check_artifacts, check_consumed
 from eagle31_export.formats.prompts import read_prompts
-from eagle31_export.formats.target import read_target_info
+from eagle31_export.formats.target.checkpoint import read_target_info
 from eagle31_export.parity.compare import MODES, ParityReport, Thresholds, run_parity, run_parity_in_turn
+from eagle31_export.parity.prompts import bundle_sources, capture_prompts, default_prompts  # noqa: F401
 from eagle31_export.progress import Phases
 from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator, resolve_device, runtime_named
-
-
-def bundle_sources(bundle: Path) -> tuple[Path | None, Path | None]:
-    """The drafter/target an `export onnx` folder or a serving bundle was exported from, where it
-    records them (absolute, or relative to the folder)."""
-    meta = bundle / "graphs.json"
-    if meta.is_file():
-        src = json.loads(meta.read_text()).get("source", {})
-        return (bundle / src["drafter"] if src.get("drafter") else None,
-                bundle / src["target"] if src.get("target") else None)
-    record = bundle / "bundle.json"
-    if record.is_file():
-        data = json.loads(record.read_text())
-        drafter = (data.get("drafter_source") or {}).get("path")
-        target = data.get("target")
-        return (bundle / drafter if isinstance(drafter, str) and drafter else None,
-                bundle / target if isinstance(target, str) and target else None)
-    return None, None
 
 
 def check_bundle(bundle: Path, drafter: Path | None, target: Path | None) -> None:
@@ -57,12 +39,6 @@ def check_bundle(bundle: Path, drafter: Path | None, target: Path | None) -> Non
             (bundle / "graphs.json").read_text())
         check_artifacts(bundle, references=[role for role, given in (("drafter", drafter), ("target", target))
                                             if given is None or (role == "target" and verifies)])
-
-
-def default_prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list[int]]:
-    """A seeded set of token-id prompts of mixed lengths."""
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(rng.choice((4, 8, 16, 32, 64)))] for _ in range(count)]
 
 
 def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target: Path | None, url: str | None,
@@ -103,21 +79,11 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     # under load, enough prompts by default that the highest level really has C requests in flight
     count = max(8, *concurrency)
     prompts = read_prompts(prompts_file, target, vocab) if prompts_file else default_prompts(vocab, count)
-    # the reference reads NVFP4 scales as the engine compared with does (formats/nvfp4_scheme.NVFP4_SEMANTICS)
+    # the reference reads NVFP4 scales as the engine compared with does (formats/nvfp4/scheme.py: NVFP4_SEMANTICS)
     options = LoadOptions(dtype=torch.float32, act_quant=act_quant, device=device,
                           nvfp4_semantics=runtime_named(runtime).nvfp4_semantics)
     return _run_sides(runtime, PairSource.of(drafter, target), PairSource.of(drafter, target, bundle, url), options,
                       prompts, depth, max_new_tokens, temperature, seed, mode, phases, runtime_options, concurrency)
-
-
-def capture_prompts(capture, prompts_file: Path | None) -> list[list[int]]:
-    """The captured prompts, or those of `prompts_file`, each of which the capture must hold."""
-    if prompts_file is None:
-        return capture.prompts()
-    prompts = read_prompts(prompts_file, capture.target_path, capture.vocab_size)
-    for n, prompt in enumerate(prompts):
-        capture.require(prompt, f"{prompts_file} prompt {n + 1}")
-    return prompts
 
 
 def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, capture_dir: Path, url: str | None,

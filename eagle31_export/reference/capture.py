@@ -2,7 +2,7 @@
 (formats/capture.py has the format; reference/capture_target.py serves it back to the loop).
 
 One process by default. Under `torchrun --nproc-per-node N` (WORLD_SIZE > 1) the target is loaded
-tensor-parallel with transformers' own tensor parallelism (formats/target_tp.py); every rank runs
+tensor-parallel with transformers' own tensor parallelism (formats/target/tensor_parallel.py); every rank runs
 the same forwards (the sharded layers exchange partial results), and only rank 0 writes.
 """
 
@@ -19,10 +19,10 @@ from eagle31_export.errors import UserError
 from eagle31_export.formats.capture import (
     DEFAULT_SHARD_BYTES, DTYPE_NAMES, CaptureWriter, PromptCapture, continuation_length,
 )
-from eagle31_export.formats.nvfp4_scheme import detect_scheme
+from eagle31_export.formats.nvfp4.scheme import detect_scheme
 from eagle31_export.formats.safetensors_io import atomic_output_dir
-from eagle31_export.formats.target import read_target_config, read_target_info
-from eagle31_export.formats.target_tp import launch_world
+from eagle31_export.formats.target.checkpoint import read_target_config, read_target_info
+from eagle31_export.formats.target.tensor_parallel import launch_world
 from eagle31_export.progress import Phases
 from eagle31_export.reference.target import ReferenceTarget
 
@@ -179,10 +179,10 @@ def _logical_parameters(model) -> int:
 
 def _load(path, dtype: torch.dtype, world: int):
     if world > 1:
-        from eagle31_export.formats.target_tp import load_causal_lm_tp
+        from eagle31_export.formats.target.tensor_parallel import load_causal_lm_tp
 
         return load_causal_lm_tp(path, dtype)
-    from eagle31_export.formats.target import load_causal_lm
+    from eagle31_export.formats.target.checkpoint import load_causal_lm
     from eagle31_export.reference.upcast import compute_in
 
     # weights as stored (bf16 stays bf16, NVFP4 packed), computing in `dtype` per operation

@@ -21,7 +21,7 @@ from torch import nn
 from eagle31_export.config import TargetInfo
 from eagle31_export.errors import UserError
 from eagle31_export.formats.capture import Capture, PromptCapture
-from eagle31_export.formats.drafter import DrafterCheckpoint, read_drafter
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter
 from eagle31_export.reference.speculate import ReferenceDrafterBackend
 
 

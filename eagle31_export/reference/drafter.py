@@ -200,7 +200,7 @@ def _unfilled_drafter(cfg: DrafterConfig, kernels: DrafterKernels | None) -> Eag
 
 def _shared_packed_head(head: nn.Module) -> nn.Module:
     from eagle31_export.errors import CheckpointError
-    from eagle31_export.formats.nvfp4_model import NVFP4Linear
+    from eagle31_export.formats.nvfp4.model import NVFP4Linear
 
     if not isinstance(head, NVFP4Linear):
         raise CheckpointError(f"the target's lm_head is a {type(head).__name__} without a weight; the drafter "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle31_export.config import TargetInfo
-from eagle31_export.formats.drafter import DrafterCheckpoint
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint
 from eagle31_export.formats.pair import read_pair
 from eagle31_export.reference.drafter import build_drafter
 from eagle31_export.reference.speculate import ReferenceDrafterBackend

@@ -15,7 +15,7 @@ from eagle31_export.errors import UserError
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layer stack of a transformers causal LM (Llama, Qwen2/3, Mistral, ...)."""
-    from eagle31_export.formats.target import DECODER_LAYER_PATHS
+    from eagle31_export.formats.target.checkpoint import DECODER_LAYER_PATHS
 
     for path in DECODER_LAYER_PATHS:
         mod = model
@@ -128,7 +128,7 @@ def load_target(path: str | os.PathLike, aux_layer_ids: tuple[int, ...], dtype: 
     Weights stay in memory as stored (bf16 as bf16, NVFP4 packed) and are cast per operation
     (`reference.upcast`): the same results as weights loaded in `dtype`, at about the
     checkpoint's bytes."""
-    from eagle31_export.formats.target import load_causal_lm
+    from eagle31_export.formats.target.checkpoint import load_causal_lm
     from eagle31_export.reference.upcast import compute_in
 
     key = _checkpoint_key(path, dtype, act_quant, nvfp4_semantics) if Path(path).is_dir() else None

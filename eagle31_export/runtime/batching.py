@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from eagle31_export.reference.speculate import speculate
-from eagle31_export.runtime.registry import LoopSpeculator
+from eagle31_export.runtime.contract import LoopSpeculator
 
 MAX_BATCH = 64  # sequences per backend call; more wait for the next one
 

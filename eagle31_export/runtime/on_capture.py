@@ -1,6 +1,7 @@
 """Runtimes over a capture instead of a target (`PairSource.capture`): the runtime's own drafter
-(the reference module, or the exported ONNX drafter graphs) with a `CaptureTarget`, so a target too
-large for this machine is never loaded. Greedy only: a capture holds greedy continuations.
+(the reference module here; the exported ONNX drafter graphs in runtime/onnxruntime.py) with a
+`CaptureTarget`, so a target too large for this machine is never loaded. Greedy only: a capture holds
+greedy continuations.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from eagle31_export.errors import UserError
 from eagle31_export.formats.capture import Capture
 from eagle31_export.reference.capture_target import CaptureTarget, load_capture_pair
-from eagle31_export.runtime.registry import LoadOptions, LoopSpeculator, PairSource
+from eagle31_export.runtime.contract import LoadOptions, LoopSpeculator
 
 
 class CaptureSpeculator(LoopSpeculator):
@@ -36,14 +37,14 @@ class CaptureSpeculator(LoopSpeculator):
         self.target.capture.serves(max_new_tokens, depth)
 
 
-def _no_act_quant(options: LoadOptions) -> None:
+def refuse_act_quant(options: LoadOptions) -> None:
     if options.act_quant:
         raise UserError("--act-quant changes how the target computes; a capture holds what it computed: "
                         "drop --act-quant, or give --target")
 
 
 def load_reference(drafter: Path | None, capture: Path, options: LoadOptions, kernels) -> CaptureSpeculator:
-    _no_act_quant(options)
+    refuse_act_quant(options)
     if drafter is None:
         raise UserError("--runtime reference with --capture needs --drafter")
     pair = load_capture_pair(drafter, Capture.open(capture), dtype=options.dtype, kernels=kernels)
@@ -51,43 +52,3 @@ def load_reference(drafter: Path | None, capture: Path, options: LoadOptions, ke
                                    exact=options.dtype in (torch.float32, torch.float64))
     speculator.pair = pair
     return speculator
-
-
-def load_onnxruntime(source: PairSource, options: LoadOptions, workdir: Path | None) -> CaptureSpeculator:
-    """The exported drafter graphs (`source.artifacts`, or exported from `source.drafter` into
-    `workdir`, with the target's input embeddings from the capture where the drafter has none);
-    an export's target graph, if any, is not used: the capture stands in for the target."""
-    from eagle31_export.runtime.onnxruntime import OnnxExport, OrtChainDrafterBackend, OrtDrafterBackend
-
-    _no_act_quant(options)
-    capture = Capture.open(source.capture)
-    folder = source.artifacts
-    if folder is None:
-        if source.drafter is None or workdir is None:
-            raise UserError("--runtime onnxruntime with --capture needs --onnx DIR or --drafter D (exported here)")
-        from eagle31_export.export.onnx_export import export_onnx
-        from eagle31_export.formats.capture import drafter_with_embeddings
-        from eagle31_export.formats.drafter import read_drafter
-        from eagle31_export.reference.capture_target import fit_drafter
-
-        fit_drafter(read_drafter(source.drafter), capture, source.drafter)
-        drafter = drafter_with_embeddings(source.drafter, capture, workdir / "drafter")
-        folder = export_onnx(drafter, workdir / "onnx")
-    export = OnnxExport.open(folder)
-    drafter_backend = (OrtChainDrafterBackend if options.chain else OrtDrafterBackend)(export, options.threads)
-    meta = export.meta["drafter"]
-    ids = meta.get("aux_layer_ids")
-    if ids is None:  # exported without a target: the drafter's default taps for the captured target
-        from eagle31_export.config import default_aux_layer_ids
-
-        ids = default_aux_layer_ids(capture.target_info.num_hidden_layers)
-    if tuple(ids) != capture.aux_layer_ids:
-        raise UserError(f"the drafter graphs in {folder} read the outputs of layers {list(ids)}, the capture "
-                        f"{capture.folder} holds layers {list(capture.aux_layer_ids)}: if the drafter reads the "
-                        "latter, the export has its tapped layers wrong; to run this export, re-capture with "
-                        f"--aux-layer-ids {','.join(map(str, ids))}")
-    vocab = meta["config"].get("vocab_size")
-    if vocab is not None and vocab != capture.vocab_size:
-        raise UserError(f"the drafter in {folder} has vocab_size {vocab}, the captured target {capture.vocab_size}")
-    return CaptureSpeculator("onnxruntime", CaptureTarget(capture), drafter_backend,
-                             exact=export.meta.get("dtype") == "fp32")

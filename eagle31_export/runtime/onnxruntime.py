@@ -347,14 +347,12 @@ def load(source, options, workdir: Path | None = None):
     """The registry's `onnxruntime` entry: graphs from `source.artifacts` (an `export onnx` folder),
     exported into `workdir` on the fly when only checkpoints are given. Without a target graph
     the reference target verifies (MoE targets have none)."""
-    from eagle31_export.runtime.registry import LoopSpeculator
+    from eagle31_export.runtime.contract import LoopSpeculator
 
     if options.kernels != "torch":
         raise UserError("--kernels applies to --runtime reference")
     if source.capture is not None:  # the drafter graphs over a capture: no target graph, no target
-        from eagle31_export.runtime.on_capture import load_onnxruntime
-
-        return load_onnxruntime(source, options, workdir)
+        return _load_on_capture(source, options, workdir)
     folder = source.artifacts
     if folder is None:
         if source.drafter is None or source.target is None or workdir is None:
@@ -370,7 +368,7 @@ def load(source, options, workdir: Path | None = None):
         ids = drafter.export.meta["drafter"]["aux_layer_ids"]
         if ids is None:  # exported without a target: the drafter's default taps for this target
             from eagle31_export.config import default_aux_layer_ids
-            from eagle31_export.formats.target import read_target_info
+            from eagle31_export.formats.target.checkpoint import read_target_info
 
             ids = default_aux_layer_ids(read_target_info(target_path).num_hidden_layers)
         target = load_target(target_path, tuple(ids), dtype=options.dtype, act_quant=options.act_quant,
@@ -402,3 +400,45 @@ def prepare_servable(pair_dir: Path, target: Path) -> Path:
     from eagle31_export.export.onnx_export import export_onnx
 
     return export_onnx(pair_dir / "drafter", pair_dir / "onnx", target, relative_sources=True)
+
+
+def _load_on_capture(source, options, workdir: Path | None):
+    """The exported drafter graphs (`source.artifacts`, or exported from `source.drafter` into
+    `workdir`, with the target's input embeddings from the capture where the drafter has none);
+    an export's target graph, if any, is not used: the capture stands in for the target."""
+    from eagle31_export.formats.capture import Capture
+    from eagle31_export.reference.capture_target import CaptureTarget
+    from eagle31_export.runtime.on_capture import CaptureSpeculator, refuse_act_quant
+
+    refuse_act_quant(options)
+    capture = Capture.open(source.capture)
+    folder = source.artifacts
+    if folder is None:
+        if source.drafter is None or workdir is None:
+            raise UserError("--runtime onnxruntime with --capture needs --onnx DIR or --drafter D (exported here)")
+        from eagle31_export.export.onnx_export import export_onnx
+        from eagle31_export.formats.capture import drafter_with_embeddings
+        from eagle31_export.formats.drafter.checkpoint import read_drafter
+        from eagle31_export.reference.capture_target import fit_drafter
+
+        fit_drafter(read_drafter(source.drafter), capture, source.drafter)
+        drafter = drafter_with_embeddings(source.drafter, capture, workdir / "drafter")
+        folder = export_onnx(drafter, workdir / "onnx")
+    export = OnnxExport.open(folder)
+    drafter_backend = (OrtChainDrafterBackend if options.chain else OrtDrafterBackend)(export, options.threads)
+    meta = export.meta["drafter"]
+    ids = meta.get("aux_layer_ids")
+    if ids is None:  # exported without a target: the drafter's default taps for the captured target
+        from eagle31_export.config import default_aux_layer_ids
+
+        ids = default_aux_layer_ids(capture.target_info.num_hidden_layers)
+    if tuple(ids) != capture.aux_layer_ids:
+        raise UserError(f"the drafter graphs in {folder} read the outputs of layers {list(ids)}, the capture "
+                        f"{capture.folder} holds layers {list(capture.aux_layer_ids)}: if the drafter reads the "
+                        "latter, the export has its tapped layers wrong; to run this export, re-capture with "
+                        f"--aux-layer-ids {','.join(map(str, ids))}")
+    vocab = meta["config"].get("vocab_size")
+    if vocab is not None and vocab != capture.vocab_size:
+        raise UserError(f"the drafter in {folder} has vocab_size {vocab}, the captured target {capture.vocab_size}")
+    return CaptureSpeculator("onnxruntime", CaptureTarget(capture), drafter_backend,
+                             exact=export.meta.get("dtype") == "fp32")

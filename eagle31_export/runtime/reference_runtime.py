@@ -12,7 +12,7 @@ import torch
 
 from eagle31_export.errors import UserError
 from eagle31_export.reference.pair import ReferencePair, load_pair
-from eagle31_export.runtime.registry import LoadOptions, LoopSpeculator, PairSource
+from eagle31_export.runtime.contract import LoadOptions, LoopSpeculator, PairSource
 
 EXACT_DTYPES = (torch.float32, torch.float64)
 

@@ -18,8 +18,8 @@ import numpy as np
 
 from eagle31_export.errors import UserError
 from eagle31_export.reference.speculate import SpecResult, replay_rounds
-from eagle31_export.runtime.registry import LoadOptions, PairSource, Speculator
-from eagle31_export.runtime.triton_repo import GENERATE_MODEL, SPECULATE_MODEL
+from eagle31_export.runtime.contract import LoadOptions, PairSource, Speculator
+from eagle31_export.runtime.triton_names import GENERATE_MODEL, SPECULATE_MODEL
 
 STAT_NAMES = ("accepted_per_step", "acceptance_length", "acceptance_rate", "total_accepted_draft_tokens",
               "total_draft_tokens", "draft_tokens")

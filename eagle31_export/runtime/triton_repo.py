@@ -32,11 +32,9 @@ from eagle31_export.formats.outputs import atomic_output_dir, check_consumed, ch
 from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.safetensors_io import write_json
 from eagle31_export.runtime.registry import DEFAULT_SERVING_RUNTIME, RUNTIMES, runtime_named
+from eagle31_export.runtime.triton_names import GENERATE_MODEL, SPECULATE_MODEL, TRTLLM_MODEL
 
 FLAVORS = ("trtllm", "cpu")
-SPECULATE_MODEL = "eagle31_speculate"
-GENERATE_MODEL = "eagle31_generate"
-TRTLLM_MODEL = "tensorrt_llm"
 # Code that runs inside Triton: copied into the repository, never imported here.
 MODELS = Path(__file__).parent / "triton_models"
 STATISTICS = Path(__file__).parents[1] / "reference" / "statistics.py"

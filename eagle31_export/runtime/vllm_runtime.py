@@ -27,7 +27,7 @@ import torch
 
 from eagle31_export.errors import UserError
 from eagle31_export.reference.speculate import SpecResult, replay_rounds
-from eagle31_export.runtime.registry import ConcurrentRun, LoadOptions, PairSource, Speculator
+from eagle31_export.runtime.contract import ConcurrentRun, LoadOptions, PairSource, Speculator
 from eagle31_export.runtime.vllm_client import Completion, SpecCounters, VllmClient
 from eagle31_export.runtime.vllm_engine import CPU_NVFP4_PLUGIN, LocalServer, VllmInstall, find_vllm
 
@@ -192,7 +192,7 @@ def _check_cpu_nvfp4(target: str, quant: str, install: VllmInstall) -> None:
     """vLLM's CPU build runs NVFP4 Linears through our plugin only, and NVFP4 routed experts not at all:
     every NVFP4 MoE backend of vLLM 0.32 needs a CUDA, ROCm or XPU device
     (vllm/model_executor/layers/fused_moe/oracle/nvfp4.py; docs/nvfp4-engines.md)."""
-    from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
+    from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
 
     experts = sorted(n for n in NVFP4Checkpoint.open(target).linears if _ROUTED_EXPERT.search(n))
     if experts:
@@ -209,7 +209,7 @@ def _check_cpu_nvfp4(target: str, quant: str, install: VllmInstall) -> None:
 def engine_args(record: dict, options: LoadOptions, speculative: bool = True) -> list[str]:
     """The server arguments that make the comparison exact. `speculative` False: the same engine over
     the target alone (the baseline a speed-up is measured against)."""
-    from eagle31_export.formats.target import read_target_info
+    from eagle31_export.formats.target.checkpoint import read_target_info
 
     depth = options.depth or int(record["max_draft_len"])
     spec = {"method": "eagle3", "model": record["drafter"], "num_speculative_tokens": depth}

@@ -131,7 +131,7 @@ def build_target(cfg: dict, seed: int):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from eagle31_export.formats.target import transformers_config
+    from eagle31_export.formats.target.checkpoint import transformers_config
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
@@ -182,8 +182,8 @@ def save_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
 
 def random_drafter(cfg_json: dict, target_model, seed: int):
     """A canonical drafter with seeded random weights, embeddings and head copied from the target."""
-    from eagle31_export.formats.drafter import DrafterCheckpoint, expected_shapes
-    from eagle31_export.formats.drafter_formats import detect_format
+    from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, expected_shapes
+    from eagle31_export.formats.drafter.formats import detect_format
 
     fmt = detect_format(cfg_json, ["layers.0.self_attn.q_a_proj.weight"])
     cfg, _ = fmt.read_config(cfg_json)
@@ -283,7 +283,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    from eagle31_export.formats.quantize import quantize_checkpoint
+    from eagle31_export.formats.target.quantize import quantize_checkpoint
     from eagle31_export.reference.target import ReferenceTarget
 
     out: Path = args.out

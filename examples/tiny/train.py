@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import read, split  # noqa: E402
 
 from eagle31_export.config import DrafterConfig  # noqa: E402
-from eagle31_export.formats.drafter import DrafterCheckpoint, write_drafter  # noqa: E402
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, write_drafter  # noqa: E402
 from eagle31_export.reference.drafter import Eagle3Drafter  # noqa: E402
 from eagle31_export.reference.target import ReferenceTarget, tapped_forward  # noqa: E402
 from eagle31_export.reference.ttt import ttt_forward  # noqa: E402

@@ -4,7 +4,7 @@ See docs/tapped-layers.md#known-off-by-one-bugs, docs/eagle31.md#known-framework
 docs/nvfp4.md#compressed-tensors-layout.
 """
 
-from eagle31_export.formats.drafter import DrafterCheckpoint
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint
 
 
 def shift_aux_ids(ckpt: DrafterCheckpoint, target_layers: int) -> DrafterCheckpoint:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from eagle31_export.formats.drafter import write_drafter
+from eagle31_export.formats.drafter.checkpoint import write_drafter
 
 from sabotage import drop_fc_norm, pre_norm_feedback, shift_aux_ids
 

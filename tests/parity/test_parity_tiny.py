@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle31_export.errors import CheckpointError
 from eagle31_export.export.onnx_export import export_onnx
-from eagle31_export.formats.drafter import read_drafter, write_drafter
+from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
 from pathlib import Path
 
 from eagle31_export.demo.pair import DRAFTERS, TARGET, TARGET_NVFP4, EmbeddedPair

@@ -20,7 +20,7 @@ import torch
 
 from eagle31_export.config import ConfigError, DrafterConfig
 from eagle31_export.errors import CheckpointError
-from eagle31_export.formats.drafter_formats import FORMATS, DrafterFormat, detect_format, drafter_origin
+from eagle31_export.formats.drafter.formats import FORMATS, DrafterFormat, detect_format, drafter_origin
 from eagle31_export.formats.safetensors_io import (
     SafetensorsDir,
     atomic_output_dir,
@@ -82,7 +82,7 @@ class DrafterCheckpoint:
     # with strict=False (`inspect`), which reports them instead of refusing the checkpoint.
     problems: list[str] = field(default_factory=list)
     tensor_prefix: str = ""  # a prefix every stored name carried and reading removed (e.g. "model.")
-    origin: str = ""  # the project that wrote it (`drafter_formats.drafter_origin`); "" when not read from disk
+    origin: str = ""  # the project that wrote it (`formats.drafter.formats.drafter_origin`); "" when not read from disk
 
     def d2t(self) -> torch.Tensor:
         if "d2t" in self.tensors:

@@ -25,10 +25,11 @@ import torch
 from eagle31_export.config import ConfigError, TargetInfo
 from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.experts import ExpertLayout, expert_problems
+from eagle31_export.formats.layer_names import layer_index, past_layers
 from eagle31_export.formats.kv_scales import parse_kv_scale
-from eagle31_export.formats.nvfp4_model import MODEL_TYPE_ALIASES
-from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
-from eagle31_export.formats.nvfp4_scheme import detect_scheme
+from eagle31_export.formats.nvfp4.model import MODEL_TYPE_ALIASES
+from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
+from eagle31_export.formats.nvfp4.scheme import detect_scheme
 from eagle31_export.formats.safetensors_io import (
     FLOAT_TORCH_DTYPES,
     SafetensorsDir,
@@ -42,10 +43,6 @@ from eagle31_export.formats.weight_checks import FLOAT_DTYPES, role_of, scan_che
 DECODER_LAYER_PATHS = ("model.layers", "model.language_model.layers", "transformer.h", "model.decoder.layers")
 # Model types whose RMSNorm scales by (1 + weight): an all-zero weight there is the identity, not damage.
 OFFSET_NORM_MODEL_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "qwen3_next")
-# A decoder layer's tensors, as causal LMs and their multimodal wrappers store them (vision or
-# audio towers number their own layers and are not counted).
-_LAYER_INDEX = re.compile(r"^(?:model\.|language_model\.|transformer\.|model\.language_model\.|"
-                          r"language_model\.model\.|model\.decoder\.)?(?:layers|h)\.(\d+)\.")
 # Stored tensors transformers derives or ignores on load (rotary tables saved by old exports).
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
@@ -57,7 +54,7 @@ def read_target_config(path: str | os.PathLike) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; expected a target (causal LM) checkpoint folder")
     cfg = read_json(path / "config.json")
-    from eagle31_export.formats.drafter_formats import looks_like_drafter
+    from eagle31_export.formats.drafter.formats import looks_like_drafter
 
     if looks_like_drafter(cfg):
         raise CheckpointError(f"{path} is an EAGLE-3 drafter checkpoint, not a target model; pass it as --drafter "
@@ -68,7 +65,7 @@ def read_target_config(path: str | os.PathLike) -> dict[str, Any]:
 def transformers_config(config: dict[str, Any]):
     """The transformers config of a target config.json: built-in classes only (an `auto_map` is never
     executed), published aliases resolved (`kimi_k2` is DeepSeek-V3), `quantization_config` dropped."""
-    from eagle31_export.formats.nvfp4_model import plain_config
+    from eagle31_export.formats.nvfp4.model import plain_config
 
     return plain_config(config)
 
@@ -110,7 +107,7 @@ def target_layout(path: str | os.PathLike, cfg: dict[str, Any] | None = None) ->
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from eagle31_export.formats.nvfp4_model import plain_config
+    from eagle31_export.formats.nvfp4.model import plain_config
 
     path = Path(path)
     cfg = read_target_config(path) if cfg is None else cfg
@@ -185,7 +182,7 @@ def structure_problems(names_shapes: dict[str, tuple[list[int], str]], layout: T
     problems: list[str] = []
     ignored = [re.compile(p) for p in layout.ignore_unexpected]
     relevant = [n for n in names_shapes if not _IGNORED.search(n) and not any(p.search(n) for p in ignored)]
-    layers = {int(m.group(1)) for n in relevant if (m := _LAYER_INDEX.search(n))}
+    layers = {i for n in relevant if (i := layer_index(n)) is not None}
     limit = layout.num_layers + layout.extra_layers
     if layers and (max(layers) >= limit or len(layers & set(range(layout.num_layers))) != layout.num_layers):
         problems.append(f"config.json says num_hidden_layers {layout.num_layers}, but the checkpoint stores "
@@ -193,7 +190,7 @@ def structure_problems(names_shapes: dict[str, tuple[list[int], str]], layout: T
                         "do not belong together")
     if layout.experts is not None:  # routed experts stored one by one: their count and (plain) shapes
         slots = {n: slot for n in relevant if n not in layout.shapes and (slot := layout.experts.slot(n)) is not None
-                 and not _past_layers(n, layout.num_layers)}  # stored layers past the config's (MTP) are ignored
+                 and not past_layers(n, layout.num_layers)}  # stored layers past the config's (MTP) are ignored
         stored = None if layout.packed else {n: tuple(names_shapes[n][0]) for n in slots}
         problems += expert_problems(slots, layout.shapes, stored)
     if layout.exact_names:
@@ -210,7 +207,7 @@ def structure_problems(names_shapes: dict[str, tuple[list[int], str]], layout: T
     for name in sorted(set(names_shapes) & set(layout.shapes)):
         shape, dtype = names_shapes[name]
         if layout.packed and dtype not in FLOAT_DTYPES:
-            continue  # an NVFP4 Linear's packed weight: `nvfp4_model.build_model` matches it
+            continue  # an NVFP4 Linear's packed weight: `formats.nvfp4.model.build_model` matches it
         if tuple(shape) != layout.shapes[name]:
             problems.append(f"{where.get(name, name)}: shape {list(shape)}, the model config.json describes "
                             f"expects {list(layout.shapes[name])}")
@@ -255,11 +252,6 @@ def target_problems(path: str | os.PathLike, values: bool = True, layout: Target
     return problems
 
 
-def _past_layers(name: str, num_layers: int) -> bool:
-    m = _LAYER_INDEX.search(name)
-    return m is not None and int(m.group(1)) >= num_layers
-
-
 def _nvfp4_view(layout: TargetLayout) -> TargetLayout:
     # NVFP4 Linears store `weight` packed (another shape and dtype) plus scales: `build_model`
     # matches those tensor by tensor; here the layer count, the routed experts' count and the
@@ -288,10 +280,10 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     weights for NaN/Inf and all-zero norms (in memory: no second read of the files).
     NVFP4 checkpoints get dequantized weights; with `act_quant` every quantized Linear also
     fake-quantizes its input to NVFP4, as the runtime's W4A4 GEMMs do. `nvfp4_semantics`: how stored
-    scales become computed values, "exact" or an engine's (nvfp4_scheme.NVFP4_SEMANTICS).
+    scales become computed values, "exact" or an engine's (formats.nvfp4.scheme.NVFP4_SEMANTICS).
 
     `stored_weights`: keep the weights in memory as stored wherever `dtype` widens them exactly
-    (a bf16 checkpoint stays bf16; NVFP4 Linears stay packed, `nvfp4_model.NVFP4Linear`), for a
+    (a bf16 checkpoint stays bf16; NVFP4 Linears stay packed, `formats.nvfp4.model.NVFP4Linear`), for a
     caller that then computes in `dtype` per operation (`reference.upcast.compute_in`): about the
     checkpoint's bytes instead of 2x (bf16 in fp32) or ~7x (NVFP4 dequantized to fp32).
     """
@@ -306,7 +298,7 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     layout = target_layout(path, cfg)
     check_target(path, values=False, layout=layout)
     if nvfp4:
-        from eagle31_export.formats.nvfp4_model import build_model
+        from eagle31_export.formats.nvfp4.model import build_model
 
         model = build_model(NVFP4Checkpoint.open(path, semantics=nvfp4_semantics), dtype=dtype, act_quant=act_quant,
                             packed=stored_weights)

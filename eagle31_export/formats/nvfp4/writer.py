@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from eagle31_export.errors import UserError
-from eagle31_export.formats.nvfp4 import reciprocal_f32
-from eagle31_export.formats.nvfp4_scheme import EXACT_INVERSE_KEY, HF_QUANT_CONFIG, QuantScheme, exact_inverse
+from eagle31_export.formats.nvfp4.numerics import reciprocal_f32
+from eagle31_export.formats.nvfp4.scheme import EXACT_INVERSE_KEY, HF_QUANT_CONFIG, QuantScheme, exact_inverse
 from eagle31_export.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, write_json
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30

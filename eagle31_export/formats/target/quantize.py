@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from eagle31_export.errors import CheckpointError, UserError
-from eagle31_export.formats import nvfp4
-from eagle31_export.formats.nvfp4_calib import calibrate_input_amax, default_calibration_prompts
-from eagle31_export.formats.nvfp4_convert import convert_checkpoint
-from eagle31_export.formats.nvfp4_scheme import (
+from eagle31_export.formats.nvfp4 import numerics as nvfp4
+from eagle31_export.formats.nvfp4.calibration import calibrate_input_amax, default_calibration_prompts
+from eagle31_export.formats.nvfp4.convert import convert_checkpoint
+from eagle31_export.formats.nvfp4.scheme import (
     FORMATS, FUSED_GROUPS, Format, QuantScheme, detect_scheme, is_excluded, unmatched_patterns, write_declarations,
 )
-from eagle31_export.formats.nvfp4_writer import (
+from eagle31_export.formats.nvfp4.writer import (
     DEFAULT_MAX_SHARD_BYTES, LinearWriter, ProgressCallback, ShardedWriter, check_distinct, copy_side_files,
     tensor_steps,
 )
@@ -126,7 +126,7 @@ def _plan(model_dir: Path, config: dict, source: SafetensorsDir, exclude: list[s
     layer, one for gate/up and one for down, as ModelOpt calibrates fused experts (one input
     quantizer per projection for all experts; `_QuantFusedExperts` in
     modelopt/torch/quantization/plugins/huggingface.py)."""
-    from eagle31_export.formats.target import load_causal_lm
+    from eagle31_export.formats.target.checkpoint import load_causal_lm
 
     dtype = _stored_dtype(source)
     model = load_causal_lm(model_dir, dtype=dtype)

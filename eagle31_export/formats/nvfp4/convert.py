@@ -2,7 +2,7 @@
 
 Packed weights and block scales are copied bit for bit; only names and the per-tensor
 scales change (compressed-tensors stores their reciprocals). Converting there and back
-reproduces every tensor exactly (see nvfp4_writer.other_convention).
+reproduces every tensor exactly (see formats.nvfp4.writer.other_convention).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from eagle31_export.errors import UserError
-from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
-from eagle31_export.formats.nvfp4_scheme import FORMATS, Format, QuantScheme, pattern_matches, write_declarations
-from eagle31_export.formats.nvfp4_writer import (
+from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
+from eagle31_export.formats.nvfp4.scheme import FORMATS, Format, QuantScheme, pattern_matches, write_declarations
+from eagle31_export.formats.nvfp4.writer import (
     DEFAULT_MAX_SHARD_BYTES, LinearWriter, ProgressCallback, ShardedWriter, check_distinct, copy_side_files,
     tensor_steps,
 )

@@ -6,7 +6,7 @@ Plain checkpoints: `from_pretrained(..., tp_plan="auto")`; transformers starts t
 
 NVFP4 checkpoints: transformers cannot read them (it would need its own quantizer), so the
 project's streaming reader dequantizes them into the plain architecture as in
-`nvfp4_model.build_model`, and transformers' machinery shards that model: the model is built
+`formats.nvfp4.model.build_model`, and transformers' machinery shards that model: the model is built
 without memory (`init_empty_weights`), `distribute_model` installs the plan's hooks, and each
 weight, dequantized one Linear at a time, is cut by the plan's own sharding style
 (`TensorParallelLayer.shard_tensor`) before it is set, as `from_pretrained` does for plain
@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from eagle31_export.errors import CheckpointError, UserError
-from eagle31_export.formats.nvfp4 import dequantize
-from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
-from eagle31_export.formats.nvfp4_scheme import detect_scheme
+from eagle31_export.formats.nvfp4.numerics import dequantize
+from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
+from eagle31_export.formats.nvfp4.scheme import detect_scheme
 
 
 def launch_world() -> tuple[int, int]:
@@ -41,7 +41,7 @@ def load_causal_lm_tp(path: str | os.PathLike, dtype: torch.dtype = torch.float3
 
     hf_logging.disable_progress_bar()
     _require_accelerate()
-    from eagle31_export.formats.target import check_target
+    from eagle31_export.formats.target.checkpoint import check_target
 
     check_target(path)  # the checkpoint against its config, before any weight is read (as load_causal_lm)
     if detect_scheme(path) is not None:
@@ -79,7 +79,7 @@ def _load_nvfp4_tp(ckpt: NVFP4Checkpoint, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.integrations.tensor_parallel import distribute_model, initialize_tensor_parallelism
 
-    from eagle31_export.formats.nvfp4_model import plain_config
+    from eagle31_export.formats.nvfp4.model import plain_config
 
     config = plain_config(ckpt.config)
     _require_plan(config, ckpt.folder)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 from eagle31_export.errors import CheckpointError
-from eagle31_export.formats.nvfp4 import BLOCK_SIZE, reciprocal_f32
+from eagle31_export.formats.nvfp4.numerics import BLOCK_SIZE, reciprocal_f32
 from eagle31_export.formats.safetensors_io import read_json
 
 Format = Literal["modelopt", "compressed-tensors"]

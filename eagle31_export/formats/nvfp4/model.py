@@ -24,8 +24,8 @@ from torch import nn
 
 from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.experts import ExpertLayout, ExpertSlot, expert_problems, swap_experts
-from eagle31_export.formats.nvfp4 import dequantize, fake_quant_activation
-from eagle31_export.formats.nvfp4_reader import NVFP4Checkpoint
+from eagle31_export.formats.nvfp4.numerics import dequantize, fake_quant_activation
+from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
 from eagle31_export.formats.safetensors_io import upcasts_exactly
 
 # Bytes of dequantized weight an NVFP4Linear materialises at a time: below it, one GEMM over the
@@ -161,12 +161,12 @@ def _check_experts(ckpt: NVFP4Checkpoint, experts: ExpertLayout | None, shapes: 
     """Per-expert tensors (quantized or not) against the model's expert count, before any is read."""
     if experts is None:
         return
-    from eagle31_export.formats.target import _past_layers
+    from eagle31_export.formats.layer_names import past_layers
 
     layers = int(plain_config(ckpt.config).get_text_config().num_hidden_layers)
     names = [f"{m}.weight" for m in ckpt.linears] + ckpt.other_tensor_names()
     found = {n: s for n in names if n not in shapes and (s := experts.slot(n)) is not None
-             and not _past_layers(n, layers)}  # stored layers past the config's (MTP heads) are ignored
+             and not past_layers(n, layers)}  # stored layers past the config's (MTP heads) are ignored
     problems = expert_problems(found, shapes)
     if problems:
         raise CheckpointError(f"{ckpt.folder}: {problems[0]}")

@@ -169,7 +169,7 @@ def reciprocal_f32(value: float) -> float:
 
     ModelOpt stores scales, compressed-tensors their reciprocals ("global scales"). Note that
     reciprocal_f32(reciprocal_f32(v)) != v for about one FP32 value in seven: the converter
-    records the source value where that happens (see nvfp4_scheme.exact_inverse).
+    records the source value where that happens (see formats.nvfp4.scheme.exact_inverse).
     """
     with np.errstate(divide="ignore"):
         return float(np.float32(1.0) / np.float32(value))

@@ -21,12 +21,12 @@ import torch
 
 from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.kv_scales import parse_kv_scale
-from eagle31_export.formats.nvfp4 import BLOCK_SIZE, reciprocal_f32
-from eagle31_export.formats.nvfp4_scheme import (
+from eagle31_export.formats.nvfp4.numerics import BLOCK_SIZE, reciprocal_f32
+from eagle31_export.formats.nvfp4.scheme import (
     FUSED_GROUPS, NVFP4_SEMANTICS, QuantScheme, detect_scheme, exact_inverse, is_excluded, is_router,
     parse_exact_inverse, unlisted_router_ok, unmatched_patterns,
 )
-from eagle31_export.formats.nvfp4_stream import (
+from eagle31_export.formats.nvfp4.stream import (
     TensorEntry, TensorStream, read_f32_scalars, read_shard_header, shard_files,
 )
 from eagle31_export.formats.safetensors_io import SafetensorsDir, read_json
@@ -87,10 +87,10 @@ class NVFP4Checkpoint:
     # What runtimes serve as declared but with a default the checkpoint may not mean (scale 1.0, ...).
     warnings: list[str] = field(default_factory=list)
     kv_scale_names: dict[str, str] = field(default_factory=dict)  # kv_scales key -> stored tensor name
-    # Stored global scales whose exact source value a converter recorded (see nvfp4_scheme).
+    # Stored global scales whose exact source value a converter recorded (see formats.nvfp4.scheme).
     recorded_inverses: dict[str, float] = field(default_factory=dict)
     entries: dict[str, TensorEntry] = field(default_factory=dict)  # name -> file and byte range
-    semantics: str = "exact"  # how stored scales become computed values (nvfp4_scheme.NVFP4_SEMANTICS)
+    semantics: str = "exact"  # how stored scales become computed values (formats.nvfp4.scheme.NVFP4_SEMANTICS)
     # What no reader should compute with (global scales that imply implausible weights), unlike
     # `problems`, which runtimes serve differently from the reference but the reference can read.
     damage: list[str] = field(default_factory=list)
@@ -99,7 +99,7 @@ class NVFP4Checkpoint:
     @classmethod
     def open(cls, folder: str | Path, scheme: QuantScheme | None = None,
              semantics: str = "exact") -> "NVFP4Checkpoint":
-        """`semantics`: how stored scales become computed values (nvfp4_scheme.NVFP4_SEMANTICS)."""
+        """`semantics`: how stored scales become computed values (formats.nvfp4.scheme.NVFP4_SEMANTICS)."""
         if semantics not in NVFP4_SEMANTICS:
             raise ValueError(f"unknown NVFP4 semantics {semantics!r}; one of {', '.join(NVFP4_SEMANTICS)}")
         folder = Path(folder)
@@ -136,7 +136,7 @@ class NVFP4Checkpoint:
     def iter_linears(self, with_packed: bool = True) -> Iterator[QuantizedLinear]:
         """Every NVFP4 Linear in file order, its block scales validated as they are read.
 
-        Tensors are zero-copy views of the file (see nvfp4_stream): read when first used.
+        Tensors are zero-copy views of the file (see formats.nvfp4.stream): read when first used.
         """
         order = sorted(self.linears.values(), key=lambda i: self._position(i.tensor_names["packed"]))
         with TensorStream(self.entries) as stream:

@@ -1,0 +1,119 @@
+"""The runtime contract, at the bottom of runtime/: what every runtime module implements and takes.
+
+- `PairSource`: what the user named (checkpoints, exported artifacts, a server URL, a capture);
+- `LoadOptions`: how to load it;
+- `Speculator`: a runtime that generates with speculation (`run`, `run_concurrently`, `close`);
+- `LoopSpeculator`: the one speculation loop over a target and a drafter backend.
+
+A runtime module imports this module (and lower layers) only, never the registry
+(`runtime/registry.py`), which sits on top and imports the runtimes; import-linter holds it
+(pyproject.toml, tests/test_architecture.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle31_export.reference.replay import replay_greedy
+from eagle31_export.reference.speculate import DrafterBackend, LoopObserver, SpecResult, TargetBackend, speculate
+
+
+@dataclass(frozen=True)
+class PairSource:
+    """What the user named. `artifacts` is the runtime's own input: an `export onnx` folder, a
+    serving bundle or an exported drafter checkpoint. With `capture`, runtimes that support it
+    (`reference`, `onnxruntime`) read the target's outputs from the capture instead of loading it."""
+
+    drafter: Path | None = None
+    target: Path | None = None
+    artifacts: Path | None = None
+    url: str | None = None
+    capture: Path | None = None  # an `eagle31-export capture` folder standing in for the target (greedy only)
+
+    @classmethod
+    def of(cls, drafter=None, target=None, artifacts=None, url=None, capture=None) -> "PairSource":
+        as_path = lambda p: None if p is None else Path(p)  # noqa: E731
+        return cls(as_path(drafter), as_path(target), as_path(artifacts), url, as_path(capture))
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    dtype: torch.dtype = torch.float32
+    act_quant: bool = False  # NVFP4 targets: emulate W4A4
+    nvfp4_semantics: str = "exact"  # NVFP4 targets: how stored scales are read (formats/nvfp4/scheme.py: NVFP4_SEMANTICS)
+    kernels: str = "torch"  # reference drafter: plain torch or the plugin kernels
+    chain: bool = False  # onnxruntime: draft with the exported chain graph
+    threads: int | None = None
+    device: str = "cpu"  # cpu, cuda or auto (resolve_device); where the reference target and drafter compute
+    depth: int | None = None  # vllm: num_speculative_tokens of a local engine (None: the bundle's)
+    vllm: str | None = None  # vllm: a python interpreter or virtual environment that has vLLM ($EAGLE31_VLLM)
+    port: int | None = None  # vllm: the local engine's port on 127.0.0.1 (None: a free one)
+    engine_timeout: float = 600.0  # vllm: seconds a local engine may take to become ready
+
+
+class Speculator:
+    """A runtime that generates with speculation; `exact` when it computes in fp32 end to end."""
+
+    name: str = ""
+    exact: bool = True
+    reports_drafts = True  # False: the runtime returns tokens and acceptance counts, not its drafts (vLLM)
+    rounds_in_order = True  # False: accepted counts per round are known as counts only, not in order
+    serves_concurrently = False  # True: requests in flight together are served together (batched), not queued
+
+    def close(self) -> None:
+        """Release what the runtime holds outside this process (a server it started)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, depth: int, temperature: float = 0.0, seed: int = 0,
+            stop_ids: tuple[int, ...] = (), observer: LoopObserver | None = None) -> SpecResult:
+        raise NotImplementedError
+
+    def run_concurrently(self, prompts: list[list[int]], max_new_tokens: int, depth: int, concurrency: int,
+                         temperature: float = 0.0, seed: int = 0) -> "ConcurrentRun":
+        """Every prompt with `concurrency` requests in flight at a time (prompt i with seed + i, as
+        one at a time), the results in prompt order."""
+        def one(i: int) -> SpecResult:
+            return self.run(prompts[i], max_new_tokens, depth, temperature, seed + i)
+
+        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eagle31-request") as pool:
+            return ConcurrentRun(list(pool.map(one, range(len(prompts)))))
+
+
+@dataclass
+class ConcurrentRun:
+    """What `run_concurrently` saw: per-request results, and the runtime's own pooled acceptance
+    counters over the whole run where it keeps them (vLLM's /metrics: rounds, accepted drafts,
+    accepted per draft position), which per-request results must add up to."""
+
+    results: list[SpecResult]
+    pooled: dict | None = None
+    per_request: bool = True  # False: the results carry tokens only; acceptance is known pooled
+
+
+class LoopSpeculator(Speculator):
+    """The one speculation loop over a (TargetBackend, DrafterBackend) pair. The backends hold one
+    sequence's caches, so concurrent runs take turns."""
+
+    def __init__(self, name: str, target: TargetBackend, drafter: DrafterBackend, exact: bool = True):
+        self.name, self.target, self.drafter, self.exact = name, target, drafter, exact
+        self._turn = threading.Lock()
+
+    def run(self, prompt_ids, max_new_tokens, depth, temperature=0.0, seed=0, stop_ids=(), observer=None):
+        with self._turn:
+            return speculate(self.target, self.drafter, list(prompt_ids), max_new_tokens, depth, temperature, seed,
+                             tuple(stop_ids), observer)
+
+    def replay(self, prompt_ids: list[int], run: SpecResult, observer: LoopObserver | None = None) -> SpecResult:
+        """This pair's drafts at another greedy run's round boundaries, with one target forward."""
+        with self._turn:
+            return replay_greedy(self.target, self.drafter, list(prompt_ids), run, observer)
