@@ -316,10 +316,10 @@ class NVFP4Checkpoint:
         # From the stored values and the format's own convention, not from what the reader made of
         # them: a check of the file, whatever semantics this reader was opened with.
         implied = {name: self._implied_amax(info) for name, info in self.linears.items()}
-        wild = sorted((name for name, amax in implied.items() if amax > WEIGHT_AMAX_CEILING), key=implied.get)
+        wild = [name for name, amax in implied.items() if amax > WEIGHT_AMAX_CEILING]
         if not wild:
             return
-        name = wild[-1]
+        name = max(wild, key=implied.get)
         stored = self.scheme.suffix("global")
         convention = ("(6 x 448) / amax" if self.scheme.is_reciprocal() else "amax / (6 x 448)")
         self.damage.append(
