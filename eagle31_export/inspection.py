@@ -11,6 +11,7 @@ import torch
 from eagle31_export.config import ConfigError, output_to_before_layer, with_max_positions
 from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, t2d_from_d2t
+from eagle31_export.formats.outputs import check_enclosing_output
 from eagle31_export.formats.pair import pair_problems
 from eagle31_export.formats.safetensors_io import read_json
 from eagle31_export.formats.target.checkpoint import inspect_target, read_target_info
@@ -24,6 +25,7 @@ def is_drafter(path: Path) -> bool:
 
 def inspect_path(path: str | os.PathLike, target: str | os.PathLike | None = None) -> dict[str, Any]:
     path = Path(path)
+    check_enclosing_output(path)  # before config.json is read to tell a drafter from a target
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; pass a drafter or target checkpoint folder")
     if not is_drafter(path):

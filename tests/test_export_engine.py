@@ -200,3 +200,57 @@ def test_an_export_changed_since_it_was_written_is_refused_naming_the_file(cli, 
     graph.write_bytes(bytes(raw))
     code, _, err = cli("export", "engine", "--onnx", onnx_dir, "--out", tmp_path / "e", "--plan")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "target.onnx" in err, err
+
+
+def _graph_with_a_custom_op(folder, named_output_shape):
+    """A target graph whose custom op (domain `custom`, unknown to shape inference) writes a [4, 64, 1024]
+    fp32 value, consumed by a Relu; `named_output_shape`: whether the graph declares that value's shape."""
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, None)
+    nodes = [helper.make_node("Expand", ["input_ids", "shape"], ["wide"], name="widen"),
+             helper.make_node("Widen", ["wide"], ["custom_out"], domain="custom", name="custom"),
+             helper.make_node("Relu", ["custom_out"], ["out"])]
+    shape = numpy_helper.from_array(np.array([64, 1, 1], np.int64), "shape")
+    graph = helper.make_graph(nodes, "target", [ids], [out], [shape])
+    if named_output_shape:
+        graph.value_info.append(helper.make_tensor_value_info("custom_out", TensorProto.FLOAT, [4, 64, 1024]))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom", 1)])
+    onnx.save(model, folder / "target.onnx")
+    write_manifest(folder)
+
+
+def test_a_value_shape_inference_cannot_size_makes_the_estimate_a_lower_bound(cli, tmp_path):
+    """A custom op's [64, 1024] fp32 output has no inferred shape: it and what is computed from it count 0
+    bytes, so the plan calls the estimate a lower bound, never an upper one; declared, the same value is
+    counted (4 x 64 x 1024 x 4 bytes) and the plan is plain."""
+    from eagle31_export.export.tensorrt_profiles import ServingLimits, plan_graph
+
+    folder = write_export(tmp_path / "onnx")
+    _graph_with_a_custom_op(folder, named_output_shape=False)
+    code, out, err = cli("export", "engine", "--onnx", folder, "--out", tmp_path / "e", "--plan",
+                         "--max-batch", "4", "--max-seq-len", "64", "--device-memory", "80")
+    assert code == 0, err
+    assert "lower bound" in out and "upper bound" not in out, out
+    assert "custom_out, made by custom.Widen" in out, out
+    limits = ServingLimits(max_batch=4, max_seq_len=64, draft_depth=3)
+    unsized = plan_graph(folder / "target.onnx", "target", limits)
+    assert all(p.lower_bound and p.shapeless == 2 for p in unsized.profiles)
+    _graph_with_a_custom_op(folder, named_output_shape=True)
+    sized = plan_graph(folder / "target.onnx", "target", limits)
+    for before, after in zip(unsized.profiles, sized.profiles):
+        assert not after.lower_bound and after.bound() == ""
+        # the declared value and the Relu's output it feeds, live together, now count
+        assert after.activation_bytes == 2 * 4 * 64 * 1024 * 4 > before.activation_bytes
+
+
+def test_a_graph_whose_computed_values_cannot_be_sized_is_refused(cli, tmp_path):
+    folder = write_export(tmp_path / "onnx")
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, None)
+    graph = helper.make_graph([helper.make_node("Widen", ["input_ids"], ["out"], domain="custom")], "target", [ids],
+                              [out])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom", 1)]),
+              folder / "target.onnx")
+    write_manifest(folder)
+    code, _, err = cli("export", "engine", "--onnx", folder, "--out", tmp_path / "e", "--plan", "--device-memory", "80")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "cannot be estimated" in err, err

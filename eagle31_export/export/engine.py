@@ -67,7 +67,7 @@ class EnginePlan:
         for g in self.graphs:
             out.append(f"{g.file} ({g.role}): weights {gib(g.weight_bytes)}")
             for p in g.profiles:
-                bound = f" (upper bound: {p.unshaped} values sized at the longest cache)" if p.unshaped else ""
+                bound = f" ({p.bound()})" if p.bound() else ""
                 out.append(f"  profile {p.summary()}: activations about {gib(p.activation_bytes)} at the largest "
                            f"shape{bound}; largest value {p.largest}")
             total = g.weight_bytes + g.activation_bytes + workspace_gib * GIB
@@ -128,6 +128,7 @@ def plan_engines(onnx_dir: str | os.PathLike, limits: ServingLimits, device_memo
     plans, plugins, fp4 = [], False, False
     for file, role in sorted(roles.items()):
         plans.append(plan_graph(onnx_dir / file, role, limits))
+        check_sized(plans[-1])
         model = onnx.load(str(onnx_dir / file), load_external_data=False)
         plugins |= any(n.domain == PLUGIN_DOMAIN for n in model.graph.node)
         fp4 |= any(t.data_type == TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
@@ -139,6 +140,16 @@ def plan_engines(onnx_dir: str | os.PathLike, limits: ServingLimits, device_memo
     return plan
 
 
+def check_sized(graph: GraphPlan) -> None:
+    """A graph none of whose computed values shape inference could size has no estimate to check or
+    print: refused rather than planned as 0 bytes."""
+    unsized = next((p for p in graph.profiles if p.sizeless), None)
+    if unsized is not None:
+        raise UserError(f"{graph.file}: no value it computes could be sized at profile {unsized.summary()} "
+                        f"({unsized.unsized} unsized, first {unsized.first_unsized}), so its memory cannot be "
+                        "estimated; re-export it with `eagle31-export export onnx` (a graph of ours is sized in full)")
+
+
 def check_memory(plan: EnginePlan, workspace_gib: float) -> None:
     if plan.device_bytes is None:
         plan.notes.append("no GPU memory size found (no CUDA device visible to torch, no nvidia-smi): the memory "
@@ -147,12 +158,11 @@ def check_memory(plan: EnginePlan, workspace_gib: float) -> None:
     for g in plan.graphs:
         total = g.weight_bytes + g.activation_bytes + workspace_gib * GIB
         if total > plan.device_bytes:
-            worst = max(g.profiles, key=lambda p: p.activation_bytes)
-            if worst.unshaped:  # an upper bound only: said, not refused
-                plan.notes.append(f"{g.file}: up to {gib(total)} at the largest shape of profile {worst.summary()}, "
-                                  f"above {gib(plan.device_bytes)} on {plan.device_name}; {worst.unshaped} values "
-                                  "had no static shape and were sized at the longest cache, so this is an upper "
-                                  "bound; TensorRT's build will say if it does not fit")
+            worst = g.worst
+            if worst.unresolved and not worst.lower_bound:  # sized with a guessed length: said, not refused
+                plan.notes.append(f"{g.file}: about {gib(total)} at the largest shape of profile {worst.summary()}, "
+                                  f"above {gib(plan.device_bytes)} on {plan.device_name}; {worst.bound()}; "
+                                  "TensorRT's build will say if it does not fit")
                 continue
             raise UserError(f"{g.file}: about {gib(total)} needed at the largest shape of profile {worst.summary()} "
                             f"(weights {gib(g.weight_bytes)}, activations {gib(worst.activation_bytes)}, workspace "

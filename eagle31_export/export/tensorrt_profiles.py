@@ -28,6 +28,17 @@ graph in order, holding each value from the node that makes it to its last consu
 executor without fusion; values computed from initializers alone count as weights (TensorRT folds
 them at build time). TensorRT fuses and reuses memory, so its own figure is usually lower (fused
 attention never writes the scores); the estimate is a bound to refuse on, not a prediction.
+
+Values shape inference does not size fully are counted as follows, and the plan says which case holds:
+
+- a value it gives no shape (a custom op's output, and what is computed from it) counts 0 bytes, so
+  the estimate is then a LOWER bound; values with unresolved dimensions then count 0 bytes too, so
+  that the figure stays a lower bound. If no computed value is sized at all there is no estimate,
+  and `export engine` refuses the build;
+- where every value has a shape but some dimensions are unresolved (a length computed at run time),
+  those dimensions are taken as the profile's longest cache (past_sequence + sequence at their
+  largest): an estimate, not a bound in either direction (nothing here proves such a length stays
+  within the cache), and the plan says how many values were sized that way.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -100,11 +112,46 @@ class Profile:
     shapes: dict[str, tuple[list[int], list[int], list[int]]] = field(default_factory=dict)  # input -> min/opt/max
     activation_bytes: float = 0.0
     largest: str = ""  # the largest single value at the max shape, in words
-    unshaped: int = 0  # values shape inference left without a shape (not counted)
+    shapeless: int = 0  # computed values shape inference gave no shape (counted 0 bytes)
+    unresolved: int = 0  # computed values with dimensions it left unresolved (module docstring)
+    unknown_dim: int = 0  # what an unresolved dimension is taken as when no value is shapeless
+    counted: int = 0  # computed values whose bytes the estimate counts
+    first_unsized: str = ""  # the first value counted 0 bytes, in words
 
     def summary(self) -> str:
         dims = ", ".join(f"{k} {v.text()}" for k, v in self.dims.items())
         return f"{self.name} ({dims})"
+
+    @property
+    def lower_bound(self) -> bool:
+        """Some values count 0 bytes: the true figure is at least the estimate."""
+        return self.shapeless > 0
+
+    @property
+    def unsized(self) -> int:
+        """Values the estimate counts as 0 bytes."""
+        return self.shapeless + self.unresolved if self.shapeless else 0
+
+    @property
+    def sizeless(self) -> bool:
+        """No value the graph computes could be sized: there is no estimate."""
+        return self.unsized > 0 and self.counted == 0
+
+    def bound(self) -> str:
+        """What kind of figure `activation_bytes` is, in words ("" when every value is sized)."""
+        if self.lower_bound:
+            detail = (f"{self.shapeless} without a shape from shape inference, {self.unresolved} with "
+                      "dimensions it left unresolved; " if self.unresolved else "no shape from shape inference; ")
+            return (f"lower bound: {values(self.unsized)} unsized, counted as 0 bytes ({detail}"
+                    f"first {self.first_unsized})")
+        if self.unresolved:
+            return (f"an estimate, not a bound: {values(self.unresolved)} with dimensions shape inference left "
+                    f"unresolved, sized at {self.unknown_dim} positions, the longest cache")
+        return ""
+
+
+def values(count: int) -> str:
+    return f"{count} value" + ("" if count == 1 else "s")
 
 
 @dataclass
@@ -117,6 +164,11 @@ class GraphPlan:
     @property
     def activation_bytes(self) -> float:
         return max((p.activation_bytes for p in self.profiles), default=0.0)
+
+    @property
+    def worst(self) -> Profile | None:
+        """The profile with the largest activation estimate."""
+        return max(self.profiles, key=lambda p: p.activation_bytes, default=None)
 
 
 def role_dims(role: str, limits: ServingLimits) -> list[tuple[str, dict[str, DimRange]]]:
@@ -179,10 +231,21 @@ def weight_bytes(model: onnx.ModelProto) -> float:
     return total
 
 
-def activation_estimate(model: onnx.ModelProto, shapes: dict[str, list[int]], unknown_dim: int) -> tuple[float, str, int]:
-    """(peak bytes of live values, the largest value in words, values without an inferred shape)
-    with the graph inputs at `shapes`; a dimension shape inference leaves symbolic counts as
-    `unknown_dim` (in our graphs only cache lengths computed at run time are)."""
+class Estimate(NamedTuple):
+    peak: float  # bytes of live values at the worst point of the graph
+    largest: str  # the largest value, in words
+    shapeless: int  # computed values without an inferred shape (counted 0 bytes)
+    unresolved: int  # computed values with unresolved dimensions
+    counted: int  # computed values whose bytes are counted
+    first_unsized: str  # the first value counted 0 bytes, in words
+
+
+def activation_estimate(model: onnx.ModelProto, shapes: dict[str, list[int]], unknown_dim: int) -> Estimate:
+    """The peak bytes of live values with the graph inputs at `shapes`, and how fully they were sized
+    (module docstring): a value shape inference gives no shape counts 0 bytes; a dimension it leaves
+    unresolved counts as `unknown_dim` (in our graphs only cache lengths computed at run time are),
+    unless some value has no shape, when those values count 0 bytes too (the peak is then a lower
+    bound)."""
     concrete = onnx.ModelProto()
     concrete.CopyFrom(model)
     _standard_stand_ins(concrete.graph)
@@ -209,6 +272,15 @@ def activation_estimate(model: onnx.ModelProto, shapes: dict[str, list[int]], un
     for node in g.node:
         if all(not i or i in constant for i in node.input):
             constant.update(node.output)
+    made_by = {name: (f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type)
+               for node in g.node for name in node.output if name}
+    computed = [v.name for v in g.input if v.name not in constant]
+    computed += [name for node in g.node for name in node.output if name and name not in constant]
+    shapeless = [name for name in computed if name not in sizes]
+    unresolved = [name for name in computed if name in guessed]
+    if shapeless:  # a lower bound: values sized with a guessed dimension count 0 bytes too
+        for name in unresolved:
+            sizes.pop(name, None)
     last_use = {}
     for index, node in enumerate(g.node):
         for name in node.input:
@@ -216,22 +288,22 @@ def activation_estimate(model: onnx.ModelProto, shapes: dict[str, list[int]], un
     for value in g.output:
         last_use[value.name] = len(g.node)
     live = {v.name: sizes.get(v.name, 0.0) for v in g.input if v.name not in constant}
-    peak, unshaped = sum(live.values()), 0
+    peak = sum(live.values())
     for index, node in enumerate(g.node):
         for name in node.output:
-            if not name or name in constant:
-                continue
-            if name not in sizes:
-                unshaped += 1
-            live[name] = sizes.get(name, 0.0)
+            if name and name not in constant:
+                live[name] = sizes.get(name, 0.0)
         peak = max(peak, sum(live.values()))
-        for name in node.input:
-            if last_use.get(name) == index:
+        for name in [*node.input, *node.output]:
+            if last_use.get(name, index) == index:  # consumed for the last time here, or never consumed
                 live.pop(name, None)
-    activations = {n: s for n, s in sizes.items() if n not in constant}
+    activations = {n: sizes[n] for n in computed if n in sizes}
     biggest = max(activations, key=activations.get) if activations else ""
-    unshaped += len(guessed - constant)  # sized with `unknown_dim`: the estimate is then an upper bound
-    return peak, (f"{described[biggest]} = {gib(activations[biggest])}" if biggest else ""), unshaped
+    first = next((n for n in computed if n not in sizes), "")
+    first_words = f"{first}, made by {made_by[first]}" if first in made_by else first
+    made = sum(1 for n in activations if n in made_by)  # graph inputs are sized by the profile, not computed
+    return Estimate(peak, f"{described[biggest]} = {gib(activations[biggest])}" if biggest else "",
+                    len(shapeless), len(unresolved), made, first_words)
 
 
 def _standard_stand_ins(g: onnx.GraphProto) -> None:
@@ -265,7 +337,10 @@ def plan_graph(path: Path, role: str, limits: ServingLimits) -> GraphPlan:
         profile = Profile(name, dims, shapes)
         largest = {n: s[2] for n, s in shapes.items()}
         unknown = dims[PAST].max + dims[SEQUENCE].max
-        profile.activation_bytes, profile.largest, profile.unshaped = activation_estimate(model, largest, unknown)
+        estimate = activation_estimate(model, largest, unknown)
+        profile.activation_bytes, profile.largest = estimate.peak, estimate.largest
+        profile.shapeless, profile.unresolved, profile.counted = estimate.shapeless, estimate.unresolved, estimate.counted
+        profile.unknown_dim, profile.first_unsized = unknown, estimate.first_unsized
         profiles.append(profile)
     return GraphPlan(path.name, role, profiles, weight_bytes(model))
 

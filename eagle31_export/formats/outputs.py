@@ -23,7 +23,9 @@ notice a replaced, re-quantized or truncated checkpoint without hashing hundreds
 reference paths are relative to the output folder.
 
 `verify_output` compares an output with its manifest (`eagle31-export verify`); `check_artifacts`
-is the quick check `serve` and `parity` run before they load an output.
+is the quick check `serve` and `parity` run before they load an output. `check_enclosing_output` is
+the same check for a checkpoint folder read directly from inside an output (a bundle's `drafter/`):
+the checkpoint readers run it, on the files of that folder only.
 """
 
 from __future__ import annotations
@@ -335,14 +337,21 @@ def _compare(path: Path, label: str, want: dict, deep: bool) -> Difference | Non
     return None
 
 
+def _within(rel: str, folder: str) -> bool:
+    """Whether the relative path `rel` is `folder` or lies under it (both relative to one output)."""
+    return folder in ("", ".") or rel == folder or rel.startswith(folder.rstrip("/") + "/")
+
+
 def verify_output(folder: PathLike, deep: bool = True, extras: bool = True,
-                  references: Iterable[str] | None = None) -> list[Difference]:
+                  references: Iterable[str] | None = None, under: str | None = None) -> list[Difference]:
     """Every difference between `folder` and its manifest.json, in path order.
 
     `deep`: sha256 of every file of the output (`eagle31-export verify`); otherwise (the check
     before loading) files under a referenced folder copied into the output are checked like any
     referenced folder: by size and header. `extras`: also report files the manifest does not list.
-    `references`: the roles of referenced folders to check (None: all).
+    `references`: the roles of referenced folders to check (None: all). `under`: a folder relative
+    to the output (`drafter`): only what lies under it is checked, its own files and those of the
+    referenced folders at or under it (or, for a folder inside a referenced one, that part of it).
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -355,6 +364,8 @@ def verify_output(folder: PathLike, deep: bool = True, extras: bool = True,
     for rel, want in sorted(manifest["files"].items()):
         if any(rel == p or rel.startswith(p.rstrip("/") + "/") for p in quick):
             continue
+        if under is not None and not _within(rel, under):
+            continue
         diff = _compare(folder / rel, rel, want, deep=True)
         if diff:
             found.append(diff)
@@ -366,10 +377,20 @@ def verify_output(folder: PathLike, deep: bool = True, extras: bool = True,
         shown = ref["path"]
         if deep and ref["path"] in inside and ref["path"] not in linked:
             continue  # a copy inside the output: its files were just checked by sha256
+        part = ""  # with `under` inside this referenced folder: the part of it that is checked
+        if under is not None:
+            if os.path.isabs(ref["path"]):
+                continue  # outside the output
+            if not _within(ref["path"], under):
+                if not _within(under, ref["path"]):
+                    continue
+                part = under[len(ref["path"].rstrip("/")) + 1:]
         if not base.is_dir():
             found.append(Difference(shown, "missing", f"the {role} this output references"))
             continue
         for rel, want in sorted(ref["files"].items()):
+            if part and not _within(rel, part):
+                continue
             diff = _compare(base / rel, f"{shown.rstrip('/')}/{rel}", want, deep=True)
             if diff:
                 found.append(Difference(diff.path, diff.kind, f"{role}: {diff.detail}" if diff.detail else role))
@@ -393,6 +414,43 @@ def check_artifacts(folder: PathLike, references: Iterable[str] | None = None) -
                         f"(`eagle31-export verify {folder}` lists every difference)")
 
 
+# How far up from a checkpoint folder its enclosing output is looked for: a Triton repository
+# holds the pair three folders down (eagle31_speculate/1/pair/drafter).
+ENCLOSING_LEVELS = 6
+
+
+def enclosing_output(folder: PathLike, levels: int = ENCLOSING_LEVELS) -> tuple[Path, str] | None:
+    """(the nearest output of this tool that `folder` lies inside, `folder` relative to it), looked
+    for in up to `levels` parent folders (the folder as given: a link into an output counts as inside
+    it); None for a folder inside none."""
+    here = Path(os.path.abspath(folder))
+    for parent in list(here.parents)[:levels]:
+        if is_output(parent):
+            return parent, here.relative_to(parent).as_posix()
+    return None
+
+
+def check_enclosing_output(folder: PathLike) -> None:
+    """Refuse, in one line naming the file, a checkpoint folder read from inside an output of this
+    tool (a bundle's `drafter/`, a Triton repository's `pair/drafter/`) whose files changed since the
+    output was written: the files of that folder the manifest lists, by sha256 (a referenced target
+    by size and header, as `check_artifacts`). Nothing else of the output is read. A folder inside no
+    output (a plain checkpoint, one `convert` or `quantize` wrote) has nothing to check against."""
+    found = enclosing_output(folder)
+    if found is None:
+        return
+    output, rel = found
+    diffs = verify_output(output, deep=False, extras=False, under=rel)
+    if diffs:
+        d = diffs[0]
+        what = "is missing" if d.kind == "missing" else "changed since it was written"
+        more = f" ({d.detail})" if d.detail else ""
+        shown = d.path if os.path.isabs(d.path) else (output / d.path).as_posix()
+        raise UserError(f"{shown} {what}{more}; {folder} is part of the eagle31-export output {output}: "
+                        f"export it again, or restore the file (`eagle31-export verify {output}` lists every "
+                        "difference)")
+
+
 # Files only this tool's outputs hold (a serving bundle, an ONNX export, a capture), so that such
 # a folder without its manifest is not taken for a plain checkpoint.
 OUTPUT_MARKERS = ("bundle.json", "graphs.json", "capture.json")
@@ -404,7 +462,8 @@ def check_consumed(folder: PathLike | None, given: Iterable[str] = ()) -> None:
     changed byte is refused in one line naming the file and never gets a new manifest downstream.
     `given`: roles of referenced folders the command takes from its own options instead (`target`
     with --target), not checked; an ONNX export without a target graph still runs on its recorded
-    target. Checkpoints are not outputs in this sense: their readers check what they hold."""
+    target. Checkpoints are not outputs in this sense: their readers check what they hold (and, for a
+    folder inside an output, its files against that output's manifest: `check_enclosing_output`)."""
     if folder is None:
         return
     folder = Path(folder)

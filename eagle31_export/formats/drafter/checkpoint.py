@@ -21,6 +21,7 @@ import torch
 from eagle31_export.config import ConfigError, DrafterConfig
 from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.drafter.formats import FORMATS, DrafterFormat, detect_format, drafter_origin
+from eagle31_export.formats.outputs import check_enclosing_output
 from eagle31_export.formats.safetensors_io import (
     SafetensorsDir,
     atomic_output_dir,
@@ -153,8 +154,11 @@ def read_drafter(path: str | os.PathLike, strict: bool = True) -> DrafterCheckpo
     Structure (config, tensor names, shapes) is always checked; so are the values, in one
     streaming pass (`formats.weight_checks`): dtypes, NaN/Inf, all-zero norms, d2t/t2d. A value
     problem refuses the checkpoint, or with `strict=False` is listed in `problems` (`inspect`).
+    A folder inside an output of this tool (a bundle's `drafter/`) is first held against that
+    output's manifest (`formats.outputs.check_enclosing_output`).
     """
     path = Path(path)
+    check_enclosing_output(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; expected a drafter checkpoint folder")
     raw = read_json(path / "config.json")

@@ -30,6 +30,7 @@ from eagle31_export.formats.kv_scales import parse_kv_scale
 from eagle31_export.formats.nvfp4.model import MODEL_TYPE_ALIASES
 from eagle31_export.formats.nvfp4.reader import NVFP4Checkpoint
 from eagle31_export.formats.nvfp4.scheme import detect_scheme
+from eagle31_export.formats.outputs import check_enclosing_output
 from eagle31_export.formats.safetensors_io import (
     FLOAT_TORCH_DTYPES,
     SafetensorsDir,
@@ -48,9 +49,13 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 def read_target_config(path: str | os.PathLike) -> dict[str, Any]:
+    """config.json of a target folder; every reader of a target starts here. A folder inside an
+    output of this tool (a bundle's copied or linked `target/`) is first held against that output's
+    manifest, by size and header (`formats.outputs.check_enclosing_output`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such target checkpoint folder")
+    check_enclosing_output(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; expected a target (causal LM) checkpoint folder")
     cfg = read_json(path / "config.json")
