@@ -1,7 +1,8 @@
 """A stand-in `tensorrt` module with exactly the API surface one release's binding has.
 
 Which names exist comes from tests/data/tensorrt_python_api.json, read from NVIDIA/TensorRT's
-pybind11 sources of each release (tests/data/read_tensorrt_python_api.py); a name the release lacks is
+pybind11 sources of each release, or from the release's binding wheel where its sources are not
+published (tests/data/read_tensorrt_python_api.py; the data says which, per release); a name the release lacks is
 absent here too, so code that uses it fails as it would on that release. The stand-in records
 what it is asked to do; it builds nothing (TensorRT cannot be installed on these machines)."""
 

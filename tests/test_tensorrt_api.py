@@ -2,8 +2,10 @@
 release, or is looked up guarded (`getattr(trt.X, "Y", None)` / `hasattr`) where some release lacks it.
 
 The names each release binds are data read from NVIDIA/TensorRT's sources (release/10.0 ... release/11.1,
-python/src/infer/pyCore.cpp and its siblings, parsers/pyOnnx.cpp; tests/data/read_tensorrt_python_api.py), in
-tests/data/tensorrt_python_api.json; docs/runtime-capabilities.md lists them."""
+python/src/infer/pyCore.cpp and its siblings, parsers/pyOnnx.cpp) and, for 11.2, 11.3 and 11.4, which have no
+release branch, from the pybind11 module in PyPI's tensorrt-cu12-bindings wheel
+(tests/data/read_tensorrt_python_api.py), in tests/data/tensorrt_python_api.json; docs/runtime-capabilities.md
+lists them."""
 
 import ast
 from pathlib import Path
@@ -78,7 +80,8 @@ def test_engine_uses_only_names_every_release_has_or_guards_them():
 
 def test_the_recorded_facts_hold_what_engine_py_depends_on():
     """TensorRT 11 removed the precision flags and EXPLICIT_BATCH; every release binds all_creators."""
-    for release in ("11.0", "11.1"):
+    assert {"11.0", "11.1", "11.2", "11.3", "11.4"} <= set(RELEASES)
+    for release in (r for r in RELEASES if r.startswith("11.")):
         for name in ("BuilderFlag.FP16", "BuilderFlag.BF16", "BuilderFlag.FP8",
                      "NetworkDefinitionCreationFlag.EXPLICIT_BATCH", "IPluginRegistry.plugin_creator_list"):
             assert name not in RELEASES[release]
@@ -87,8 +90,42 @@ def test_the_recorded_facts_hold_what_engine_py_depends_on():
     assert all("NetworkDefinitionCreationFlag.STRONGLY_TYPED" in names for names in RELEASES.values())
 
 
+def test_every_release_says_where_its_names_were_read_and_on_what_evidence():
+    """A release branch's python/src, or (11.2 - 11.4, no branch published) the binding wheel's pybind11 module,
+    where each name rests on a binding call tied to its C++ type, never on a bare string."""
+    wheel_releases = API["wheels"]["releases"]
+    assert set(API["release_source"]) == set(RELEASES) == set(API["release_evidence"])
+    for release, where in API["release_source"].items():
+        if release in wheel_releases:
+            version = wheel_releases[release]
+            assert where.startswith(f"wheel: tensorrt_cu12_bindings-{version}-"), where
+            assert "tensorrt_bindings/tensorrt.so" in where
+            evidence = API["release_evidence"][release]
+            assert set(evidence) == set(RELEASES[release])
+            assert set(evidence.values()) <= set(API["evidence_kinds"]) - {"source"}
+            for name, kind in evidence.items():  # a member rests on its class, a top-level name on its binding
+                assert kind in (("enum_value", "method_self_type") if "." in name else ("class", "module_def"))
+        else:
+            assert where == f"source: NVIDIA/TensorRT release/{release} python/src"
+            assert f"release/{release}" in API["source"]["branches"]
+            assert API["release_evidence"][release] == "source"
+    assert {"11.2", "11.3", "11.4"} <= set(wheel_releases)
+
+
+def test_the_wheel_reading_agrees_with_the_sources_wherever_both_exist():
+    """Every release read from its branch was also read from its wheel: the same names in NAMES."""
+    checked = API["wheel_check"]["releases"]
+    assert set(checked) == set(RELEASES) - set(API["wheels"]["releases"])
+    for release, result in checked.items():
+        assert result["agrees"] and not result["missing_from_wheel_reading"] and not result["wheel_reading_only"]
+        assert result["wheel"].startswith("tensorrt_cu12_bindings-" + release + ".")
+    # why a bare `strings` match would not do: TensorRT 11's DataType.BF16 is no BuilderFlag.BF16
+    assert "BuilderFlag.BF16" in checked["11.1"]["bare_strings_would_add"]
+
+
 @pytest.mark.parametrize("snippet,found", [
-    ("config.set_flag(trt.BuilderFlag.FP16)", "trt.BuilderFlag.FP16 is used unguarded but TensorRT 11.0, 11.1"),
+    ("config.set_flag(trt.BuilderFlag.FP16)",
+     "trt.BuilderFlag.FP16 is used unguarded but TensorRT 11.0, 11.1, 11.2, 11.3, 11.4 has no such name"),
     ("config.set_flag(getattr(trt.BuilderFlag, flag))", "cannot be checked"),
     ("flags = 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)", "has no such name"),
     ("trt.Refitter(engine, logger)", "trt.Refitter is not in"),

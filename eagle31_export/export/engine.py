@@ -12,9 +12,9 @@ Then, against the installed TensorRT (every `trt.` name used here is checked aga
 of each supported release by tests/test_tensorrt_api.py, from tests/data/tensorrt_python_api.json):
 
 - TensorRT 11 networks are always strongly typed and its `BuilderFlag` has no FP16 / BF16 / FP8
-  (NvInfer.h, python/src/infer/pyCore.cpp of release/11.0, 11.1): the precision is the graph's own
-  dtypes, and a precision flag the graph does not already have is refused. On 10.x the flag is set
-  where the binding has it; NVFP4 graphs are built strongly typed there too;
+  (NvInfer.h, python/src/infer/pyCore.cpp of release/11.0, 11.1; the 11.2-11.4 binding wheels):
+  the precision is the graph's own dtypes, and a precision flag the graph does not already have is
+  refused. On 10.x the flag is set where the binding has it; NVFP4 graphs are built strongly typed there too;
 - releases whose parser runs the model-local function instead of our plugin (before 10.7) get a
   warning; NVFP4 graphs need 10.8 (`capabilities.TENSORRT_CAPABILITIES`).
 """
