@@ -10,15 +10,19 @@ Engines, each with and without the drafter, fp32, greedy, every request making e
   without; `ignore_eos`;
 - onnxruntime: the exported graphs batched as the Triton `cpu` repository runs them
   (runtime/batching.py), in process: the speculation loop, and the target graph alone decoding one
-  token a forward over the same batching.
+  token a forward over the same batching. Each side's batcher counts its backend calls, so each side
+  prints the mean batch it really ran at; a ratio compares speculation with the target alone only
+  where the two means are within 10 % of each other, and the row says so where they are not.
 Prompts: seeded windows of the held-out files the tiny target never saw (benchmarks/triton_load.py).
 For each C the prompts are sent with C requests in flight; the two sides take turns, repeat after
 repeat, so drift hits both alike.
 
-Printed per C: the median output tokens/s of each side, their ratio (and its range over the repeats),
-and the bound it compares with, measured in the same run: tau, the tokens each target forward made
-(1 + accepted drafts / rounds; vLLM: from its own /metrics counters), which is the speed-up a free
-drafter and a verify step as cheap as a decode step would give; then ratio / tau. Beside them, the
+Printed per C: the median output tokens/s of each side with the mean batch it ran at (sequences per
+backend call over every call of a measurement, median over the repeats; vLLM: not measured), their
+ratio (and its range over the repeats), a note where the two mean batches differ by more than 10 %,
+and the bound the ratio compares with, measured in the same run: tau, the tokens each target
+forward made (1 + accepted drafts / rounds; vLLM: from its own /metrics counters), which is the
+speed-up a free drafter and a verify step as cheap as a decode step would give; then ratio / tau. Beside them, the
 seed's 2.03 / 1.71 / 1.66 (Kimi-K2.6-NVFP4 with its EAGLE 3.1 drafter, vLLM, GB200): another pair and
 machine, shown for scale only.
 """
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from triton_load import held_out_prompts, pair_parser  # noqa: E402
 
 SEED_SPEEDUP = {1: 2.03, 4: 1.71, 16: 1.66}  # the seed's per-user speed-ups (Kimi-K2.6-NVFP4, vLLM, GB200)
+BATCH_TOLERANCE = 0.10  # the two sides' mean batch may differ by this much for their ratio to compare them
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,8 +73,8 @@ def timed(run, prompts: list[list[int]], concurrency: int) -> tuple[float, list]
 
 def vllm_engines(args, drafter: Path, target: Path, tmp: Path, stack: ExitStack) -> dict:
     """Each engine as `measure(prompts, C) -> (seconds, output tokens, rounds, accepted drafts, every
-    prompt's tokens)`: vLLM with
-    the drafter and without, rounds and accepted drafts from its own /metrics counters."""
+    prompt's tokens, mean batch or None)`: vLLM with the drafter and without, rounds and accepted
+    drafts from its own /metrics counters; its batch sizes are not measured here."""
     from eagle31_export.export.bundle import read_bundle
     from eagle31_export.export.vllm import export_vllm
     from eagle31_export.runtime.registry import LoadOptions
@@ -91,7 +96,7 @@ def vllm_engines(args, drafter: Path, target: Path, tmp: Path, stack: ExitStack)
             after = client.spec_counters()
             moved = (after - before) if after is not None else None
             return (seconds, sum(len(d.tokens) for d in done), moved.drafts if moved else 0,
-                    moved.accepted_tokens if moved else 0, [d.tokens for d in done])
+                    moved.accepted_tokens if moved else 0, [d.tokens for d in done], None)
         return measure
 
     return {"label": install.describe(), "speculation": engine(True), "target alone": engine(False)}
@@ -100,11 +105,12 @@ def vllm_engines(args, drafter: Path, target: Path, tmp: Path, stack: ExitStack)
 def onnxruntime_engines(args, drafter: Path, target: Path, tmp: Path, stack: ExitStack) -> dict:
     """The exported graphs on ONNX Runtime, batched as the Triton `cpu` repository runs them
     (runtime/batching.py), in process: the speculation loop, and the target graph alone decoding one
-    token a forward over the same batching."""
+    token a forward over the same batching. Both sides start their first C requests together (the
+    batcher's start-up barrier) and measure their mean batch over their own backend calls."""
     import torch
 
     from eagle31_export.export.onnx_export import export_onnx
-    from eagle31_export.runtime.batching import Batcher, BatchedTarget, BatchingSpeculator
+    from eagle31_export.runtime.batching import Batcher, BatchedTarget, BatchingSpeculator, batch_figures
     from eagle31_export.runtime.onnxruntime import load_backends
 
     target_backend, drafter_backend = load_backends(export_onnx(drafter, tmp / "onnx", target))
@@ -112,23 +118,28 @@ def onnxruntime_engines(args, drafter: Path, target: Path, tmp: Path, stack: Exi
     batcher = Batcher()
 
     def alone(prompt):
-        seq = BatchedTarget(target_backend.fork(), batcher)
-        with batcher.member():
+        with batcher.member() as sequence:
+            seq = BatchedTarget(target_backend.fork(), batcher, sequence)
             logits, _ = seq.forward(torch.tensor([prompt]))
             tokens = [int(logits[0, -1].argmax())]
             while len(tokens) < args.max_new_tokens:
                 logits, _ = seq.forward(torch.tensor([tokens[-1:]]))
                 tokens.append(int(logits[0, -1].argmax()))
-        return tokens
+        return tokens, sequence.calls
 
     def speculation(prompts, c):
-        seconds, done = timed(lambda p: speculator.run(p, args.max_new_tokens, args.depth), prompts, c)
+        start = time.perf_counter()
+        run = speculator.run_concurrently(prompts, args.max_new_tokens, args.depth, c)
+        seconds, done = time.perf_counter() - start, run.results
         steps = [a for r in done for a in r.accepted_per_step]
-        return seconds, sum(len(r.tokens) for r in done), len(steps), sum(steps), [r.tokens for r in done]
+        return (seconds, sum(len(r.tokens) for r in done), len(steps), sum(steps), [r.tokens for r in done],
+                run.batching.mean)
 
     def target_alone(prompts, c):
-        seconds, done = timed(alone, prompts, c)
-        return seconds, sum(len(t) for t in done), 0, 0, done
+        with batcher.arrivals(min(c, len(prompts))):
+            seconds, done = timed(alone, prompts, c)
+        figures = batch_figures([call for _, calls in done for call in calls], c)
+        return seconds, sum(len(t) for t, _ in done), 0, 0, [t for t, _ in done], figures.mean
 
     return {"label": "onnxruntime (the Triton cpu repository's engine, in process)", "speculation": speculation,
             "target alone": target_alone}
@@ -169,6 +180,7 @@ def main() -> None:
 def summarise(c: int, spec: list, plain: list) -> dict:
     spec_tps = [tokens / seconds for seconds, tokens, *_ in spec]
     plain_tps = [tokens / seconds for seconds, tokens, *_ in plain]
+    spec_batch, plain_batch = median_batch(spec), median_batch(plain)
     rounds = sum(run[2] for run in spec)
     accepted = sum(run[3] for run in spec)
     # speculation is lossless: both sides must have made the same tokens (the last repeat's)
@@ -179,21 +191,43 @@ def summarise(c: int, spec: list, plain: list) -> dict:
             "target_alone_tok_s": statistics.median(plain_tps), "ratio": ratio,
             "ratio_range": [min(spec_tps) / max(plain_tps), max(spec_tps) / min(plain_tps)],
             "tau_bound": tau, "ratio_over_bound": ratio / tau, "seed_ratio": SEED_SPEEDUP.get(c),
-            "same_tokens": same, "prompts": len(spec[-1][4])}
+            "same_tokens": same, "prompts": len(spec[-1][4]), "speculation_mean_batch": spec_batch,
+            "target_alone_mean_batch": plain_batch, "batch_note": batch_note(spec_batch, plain_batch)}
+
+
+def median_batch(runs: list) -> float | None:
+    """The median over the repeats of each measurement's mean batch (None: the engine does not say)."""
+    means = [run[5] for run in runs]
+    return None if any(m is None for m in means) else statistics.median(means)
+
+
+def batch_note(spec: float | None, plain: float | None) -> str:
+    """Empty where the ratio compares the two sides at the same batch; else why it does not."""
+    if spec is None or plain is None:
+        return "batch sizes not measured: the ratio may compare different batches"
+    if abs(spec - plain) > BATCH_TOLERANCE * plain:
+        return (f"mean batch {spec:.1f} vs {plain:.1f} ({spec / plain - 1:+.0%}, beyond {BATCH_TOLERANCE:.0%}): "
+                "the ratio compares different batches, not speculation alone")
+    return ""
 
 
 def print_table(rows: list[dict], engine: str, args, prompts: int) -> None:
     print(f"{engine}, fp32 greedy, depth {args.depth}, {prompts} prompts x {args.max_new_tokens} tokens, "
           f"median of {args.repeats}")
-    print(f"{'C':>3} {'spec tok/s':>11} {'alone tok/s':>12} {'ratio':>6} {'(range)':>13} {'bound tau':>10} "
-          f"{'ratio/tau':>10} {'seed':>6} {'same tokens':>12}")
+    print(f"{'C':>3} {'spec tok/s':>11} {'spec batch':>11} {'alone tok/s':>12} {'alone batch':>12} {'ratio':>6} "
+          f"{'(range)':>13} {'bound tau':>10} {'ratio/tau':>10} {'seed':>6} {'same tokens':>12}  note")
     for r in rows:
         seed = f"{r['seed_ratio']:.2f}" if r["seed_ratio"] else "-"
         low, high = r["ratio_range"]
         same = f"{r['same_tokens']}/{r['prompts']}"
-        print(f"{r['concurrency']:>3} {r['speculation_tok_s']:>11.1f} {r['target_alone_tok_s']:>12.1f} "
+        batch = lambda b: "-" if b is None else f"{b:.1f}"  # noqa: E731
+        print(f"{r['concurrency']:>3} {r['speculation_tok_s']:>11.1f} {batch(r['speculation_mean_batch']):>11} "
+              f"{r['target_alone_tok_s']:>12.1f} {batch(r['target_alone_mean_batch']):>12} "
               f"{r['ratio']:>6.2f} {f'{low:.2f}-{high:.2f}':>13} {r['tau_bound']:>10.3f} {r['ratio_over_bound']:>10.2f} "
-              f"{seed:>6} {same:>12}")
+              f"{seed:>6} {same:>12}  {r['batch_note']}")
+    print("batch: mean sequences per backend call over every call of a measurement (median of the repeats; '-': not "
+          f"measured); a ratio compares speculation with the target alone where the two are within "
+          f"{BATCH_TOLERANCE:.0%}, else its note says why not.")
     print("bound: tau, tokens per target forward (this run; vLLM: its /metrics): the speed-up if drafting were free and "
           "a verify step cost one decode step; seed: Kimi-K2.6-NVFP4 on GB200, for scale only\n")
 

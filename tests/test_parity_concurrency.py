@@ -1,8 +1,10 @@
 """Parity under load (`parity --concurrency`) on the batched ONNX Runtime runtime, in process: exact
-at C = 4 and 16 for EAGLE 3.1 and EAGLE-3, and a batched step broken on purpose (here, in the test)
-that C = 1 cannot see and C > 1 must.
+at C = 4 and 16 for EAGLE 3.1 and EAGLE-3, with the 16 requests at C = 16 really run together (the
+batch sizes the runtime measured, as the report prints them); a batched step broken on purpose (here,
+in the test) that C = 1 cannot see and C > 1 must; and a runtime that runs one request at a time
+failing as "did not batch".
 
-The same check against real engines: tests/test_vllm_engine.py (vLLM) and tests/test_triton_server.py
+The same check against real engines: tests/test_vllm_engine.py (vLLM) and tests/test_triton_concurrency.py
 (the Triton `cpu` repository, batched).
 """
 
@@ -14,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eagle31_export.parity.concurrency import NOT_BATCHED
 from eagle31_export.parity.sides import check_parity
+from eagle31_export.runtime import batching
 from eagle31_export.runtime import onnxruntime as ort_runtime
 
 PAIR = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "models"
@@ -23,9 +27,10 @@ PAIR = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "models"
 @pytest.mark.parametrize("drafter", ["drafter-eagle31", "drafter-eagle3"])
 def test_parity_under_load_is_exact_on_the_batched_onnxruntime(cli, tmp_path, drafter):
     code, out, err = cli("parity", "--drafter", PAIR / drafter, "--target", PAIR / "target", "--runtime",
-                         "onnxruntime", "--concurrency", "4,16", "--max-new-tokens", "16", "--out", tmp_path / "r")
+                         "onnxruntime", "--concurrency", "4,16", "--max-new-tokens", "16", "--out", tmp_path / "r",
+                         "--json")
     assert code == 0, out + err
-    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    report = json.loads(out)
     rows = {row["concurrency"]: row for row in report["concurrency"]}
     assert sorted(rows) == [1, 4, 16] and len(report["prompts"]) == 16  # 16 prompts: C = 16 really has 16 in flight
     for row in rows.values():
@@ -33,7 +38,12 @@ def test_parity_under_load_is_exact_on_the_batched_onnxruntime(cli, tmp_path, dr
         assert row["accepted_per_position"] == rows[1]["accepted_per_position"]
     reference = [sum(p["accepted_per_position_reference"][i] for p in report["prompts"]) for i in range(3)]
     assert rows[1]["accepted_per_position"] == reference and rows[1]["accepted"] > 0
-    assert "## Under load" in (tmp_path / "r" / "report.md").read_text()
+    steady = rows[16]["batching"]
+    assert steady["in_flight"] == 16 and steady["largest"] == 16 and steady["steady_calls"] > 0
+    assert steady["steady_mean"] >= 0.8 * 16, steady  # in step: most calls serve every request in flight
+    assert rows[4]["batching"]["largest"] == 4 and rows[4]["batching"]["in_flight"] == 4
+    markdown = (tmp_path / "r" / "report.md").read_text()
+    assert f"| 16 | 16 | 16 / {steady['mean']:.1f} / {steady['steady_mean']:.1f} |" in markdown
     assert (tmp_path / "r" / "tau_by_concurrency.png").stat().st_size > 10_000
 
 
@@ -59,6 +69,19 @@ def test_broken_per_sequence_positions_pass_at_c1_and_fail_under_load(monkeypatc
     assert any("prompts differ from concurrency 1" in f and "per-sequence positions" in f for f in loaded.failures)
     row = {r.concurrency: r for r in loaded.concurrency}[4]
     assert row.differing_prompts and row.same_tokens_as_c1 < row.prompts
+
+
+def test_a_runtime_that_runs_one_request_at_a_time_fails_as_not_batched(monkeypatch):
+    """Every backend call narrowed to one sequence (a deliberate fault, in the test): requests in flight
+    then queue; the tokens still match, and parity fails on the batch sizes alone."""
+    monkeypatch.setattr(batching, "MAX_BATCH", 1)
+    report = check_parity("onnxruntime", None, PAIR / "drafter-eagle31", PAIR / "target", None, None, 3, 8,
+                          concurrency=(1, 4))
+    row = {r.concurrency: r for r in report.concurrency}[4]
+    assert row.batching["largest"] == 1 and row.same_tokens_as_c1 == row.prompts
+    assert [f for f in report.failures if NOT_BATCHED in f] and all(
+        f.startswith("concurrency 4: ") for f in report.failures), report.failures
+    assert not report.passed
 
 
 def test_run_batch_pads_caches_left_and_new_tokens_right():

@@ -1,8 +1,9 @@
 """The Triton `cpu` repository under load, on a REAL Triton server (nvidia-pytriton's tritonserver):
 `parity --runtime triton --concurrency 4,16` over plain HTTP requests, exact (fp32) for the tiny
 pair's EAGLE 3.1 and EAGLE-3 drafters. The speculation model serves the requests in flight together
-(batched backend calls with per-sequence positions, cache lengths and padding masks), and says in the
-server log how large its batched calls grew.
+(batched backend calls with per-sequence positions, cache lengths and padding masks): each response
+lists the batched calls the request took part in, the client unions a level's into its batch sizes,
+and at C = 16 most calls serve all 16 requests. The server log says how large its calls grew.
 """
 
 from __future__ import annotations
@@ -61,5 +62,10 @@ def test_parity_under_load_against_the_batched_cpu_repository(servers, cli, tmp_
         assert row["accepted_per_position"] == rows[1]["accepted_per_position"]
     assert all(p["drafts_identical"] for p in report["prompts"])
     assert rows[1]["accepted"] > 0
+    steady = rows[16]["batching"]
+    assert steady["source"] == "backend calls, as the server reported them", steady
+    assert steady["in_flight"] == 16 and steady["largest"] == 16 and steady["steady_calls"] > 0, steady
+    assert steady["steady_mean"] >= 0.8 * 16, steady  # in step: most calls serve every request in flight
+    assert rows[4]["batching"]["largest"] == 4 and rows[4]["batching"]["in_flight"] == 4, rows[4]["batching"]
     grown = [int(m) for line in server.log_lines() for m in re.findall(r"largest batched call so far: (\d+)", line)]
     assert grown and max(grown) >= 4, server.log_lines()[-20:]

@@ -90,14 +90,36 @@ class Speculator:
 
 
 @dataclass
+class BatchFigures:
+    """How many requests the runtime really ran together during one level, as measured there (never
+    computed from C): our batched runtimes count every backend call they made; a vLLM engine is
+    sampled (its `vllm:num_requests_running` gauge) while the level runs."""
+
+    source: str  # how it was measured, in words ("backend calls", "/metrics samples")
+    histogram: dict[int, int]  # batch size -> calls (or samples) of that size
+    largest: int  # the most requests run together
+    mean: float  # mean batch over every call (or every sample with a request running)
+    steady_mean: float | None = None  # mean batch in steady state: prefills aside, while C requests were in flight
+    steady_calls: int = 0  # the calls (or samples) steady_mean is over
+    in_flight: int = 0  # the most requests in flight at once, as the runtime saw them
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "histogram": {str(k): v for k, v in sorted(self.histogram.items())},
+                "largest": self.largest, "mean": self.mean, "steady_mean": self.steady_mean,
+                "steady_calls": self.steady_calls, "in_flight": self.in_flight}
+
+
+@dataclass
 class ConcurrentRun:
     """What `run_concurrently` saw: per-request results, and the runtime's own pooled acceptance
     counters over the whole run where it keeps them (vLLM's /metrics: rounds, accepted drafts,
-    accepted per draft position), which per-request results must add up to."""
+    accepted per draft position), which per-request results must add up to; `batching`: how many
+    requests it really ran together (None: the runtime cannot tell)."""
 
     results: list[SpecResult]
     pooled: dict | None = None
     per_request: bool = True  # False: the results carry tokens only; acceptance is known pooled
+    batching: BatchFigures | None = None
 
 
 class LoopSpeculator(Speculator):

@@ -19,7 +19,7 @@ import torch
 from eagle31_export.errors import UserError
 # The contract, importable from here too (callers and docs name these through the registry).
 from eagle31_export.runtime.contract import (  # noqa: F401
-    ConcurrentRun, LoadOptions, LoopSpeculator, PairSource, Speculator,
+    BatchFigures, ConcurrentRun, LoadOptions, LoopSpeculator, PairSource, Speculator,
 )
 
 

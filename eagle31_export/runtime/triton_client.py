@@ -5,12 +5,15 @@
     spec = remote_speculate("127.0.0.1:8000", [1, 2, 3], 16, depth=3)   # a SpecResult, for parity
 
 The server runs the whole speculation loop, so parity with a deployed server compares whole
-results (tokens, every round's drafts, accepted_per_step), not individual forward passes.
+results (tokens, every round's drafts, accepted_per_step), not individual forward passes. Where the
+server batches the requests in flight, each response lists the batched calls it took part in
+(`batched_calls`); `RemoteSpeculator.run_concurrently` unions a level's by call id into its batch sizes.
 """
 
 from __future__ import annotations
 
 import queue
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -18,11 +21,13 @@ import numpy as np
 
 from eagle31_export.errors import UserError
 from eagle31_export.reference.speculate import SpecResult, replay_rounds
-from eagle31_export.runtime.contract import LoadOptions, PairSource, Speculator
+from eagle31_export.runtime.batching import BatchedCall, batch_figures
+from eagle31_export.runtime.contract import ConcurrentRun, LoadOptions, PairSource, Speculator
 from eagle31_export.runtime.triton_names import GENERATE_MODEL, SPECULATE_MODEL
 
 STAT_NAMES = ("accepted_per_step", "acceptance_length", "acceptance_rate", "total_accepted_draft_tokens",
-              "total_draft_tokens", "draft_tokens")
+              "total_draft_tokens", "draft_tokens", "batched_calls")
+REPORTED = "backend calls, as the server reported them"  # BatchFigures.source of a run over Triton
 
 
 @dataclass
@@ -38,6 +43,12 @@ class Generation:
     @property
     def acceptance_length(self) -> float:
         return float(self.stats["acceptance_length"][0])
+
+    @property
+    def batched_calls(self) -> list[BatchedCall] | None:
+        """The server's batched calls this request took part in (None: the server does not report them)."""
+        rows = self.stats.get("batched_calls")
+        return None if rows is None else [BatchedCall.from_row(row) for row in rows]
 
 
 def _inputs(module, prompt: list[int] | str, max_tokens: int, depth: int | None, streaming: bool | None,
@@ -120,12 +131,19 @@ def stream(grpc_url: str, prompt: list[int] | str, max_tokens: int = 32, depth: 
 def remote_speculate(http_url: str, prompt_ids: list[int], max_new_tokens: int, depth: int,
                      temperature: float = 0.0, seed: int = 0) -> SpecResult:
     """The server's speculation as a `SpecResult`, comparable field by field with `speculate(...)`."""
+    return remote_speculate_recorded(http_url, prompt_ids, max_new_tokens, depth, temperature, seed)[0]
+
+
+def remote_speculate_recorded(http_url: str, prompt_ids: list[int], max_new_tokens: int, depth: int,
+                              temperature: float = 0.0, seed: int = 0) -> tuple[SpecResult, list[BatchedCall] | None]:
+    """`remote_speculate`, and the server's batched calls the request took part in (None: not reported)."""
     try:
         got = generate(http_url, list(prompt_ids), max_new_tokens, depth, temperature=temperature, seed=seed)
     except Exception as err:  # connection refused, model missing, server-side error: one line
         raise UserError(f"Triton server at {http_url}: {str(err).splitlines()[0] if str(err) else err!r}") from None
     drafts = [[int(t) for t in row] for row in got.stats.get("draft_tokens", [])]
-    return SpecResult(tokens=got.tokens, drafts=drafts, accepted_per_step=got.accepted_per_step, depth=depth)
+    result = SpecResult(tokens=got.tokens, drafts=drafts, accepted_per_step=got.accepted_per_step, depth=depth)
+    return result, got.batched_calls
 
 
 class RemoteSpeculator(Speculator):
@@ -145,6 +163,19 @@ class RemoteSpeculator(Speculator):
         if observer is not None:
             replay_rounds(result, observer)
         return result
+
+    def run_concurrently(self, prompts, max_new_tokens, depth, concurrency, temperature=0.0, seed=0) -> ConcurrentRun:
+        """As `Speculator.run_concurrently`, with the batch sizes the server reported for this level's
+        requests (None when a response carried none: a server whose runtime does not batch)."""
+        def one(i: int) -> tuple[SpecResult, list[BatchedCall] | None]:
+            return remote_speculate_recorded(self.url, prompts[i], max_new_tokens, depth, temperature, seed + i)
+
+        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eagle31-request") as pool:
+            done = list(pool.map(one, range(len(prompts))))
+        reported = [calls for _, calls in done]
+        batching = None if any(calls is None for calls in reported) else batch_figures(
+            [call for calls in reported for call in calls], concurrency, REPORTED)
+        return ConcurrentRun([result for result, _ in done], batching=batching)
 
 
 def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir=None) -> RemoteSpeculator:

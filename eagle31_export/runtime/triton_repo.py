@@ -58,6 +58,7 @@ CPU_OUTPUTS = [
     ("total_accepted_draft_tokens", "TYPE_INT32", [1]),
     ("total_draft_tokens", "TYPE_INT32", [1]),
     ("draft_tokens", "TYPE_INT64", [-1, -1]),
+    ("batched_calls", "TYPE_INT64", [-1, 4]),  # per batched call the request took part in: id, size, prefill, in flight
 ]
 TRTLLM_INPUTS = [
     ("text_input", "TYPE_STRING", [-1], False),
@@ -217,7 +218,9 @@ Inputs: `input_ids` INT64 [-1] or `text_input` STRING [1] (only with a tokenizer
 `max_tokens` INT32, `num_draft_tokens` INT32 (default {record['max_draft_len']}), `stop_token_ids` INT64 [-1],
 `temperature` FP32 (0: greedy, the default; else speculative rejection sampling), `seed` INT64.
 Outputs: `output_ids`, `text_output` (with a tokenizer), `accepted_per_step`, `acceptance_length` (tau),
-`acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`, `draft_tokens` [rounds, depth].
+`acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`, `draft_tokens` [rounds, depth],
+and, where the runtime batches the requests in flight, `batched_calls` [calls, 4]: each batched backend
+call the request took part in (id, size, prefill 0/1, sequences in flight).
 Greedy decoding: the tokens equal the target's own greedy output. Sampling with a seed is reproducible:
 the same seed gives the same tokens as `eagle31-export speculate --temperature T --seed S`.
 

@@ -224,8 +224,22 @@ class SpeculationService:
         self.check(request)
         return self.run(request, on_tokens)
 
-    def run(self, request: GenerateRequest, on_tokens: Callable[[list[int]], None] | None = None) -> SpecResult:
-        """Run a request already checked by `parse` / `check`."""
+    def run(self, request: GenerateRequest, on_tokens: Callable[[list[int]], None] | None = None,
+            calls: list | None = None) -> SpecResult:
+        """Run a request already checked by `parse` / `check`. `calls`, when given, receives the batched
+        backend calls the request took part in (`runtime/batching.py: BatchedCall`), where the runtime
+        batches the requests in flight (its speculator has `run_recorded`); else it stays empty."""
         observer = _Streamer(on_tokens) if on_tokens is not None else None
-        return self.speculator.run(list(request.prompt), request.max_tokens, request.depth, request.temperature,
-                                   request.seed, request.stop_ids, observer)
+        args = (list(request.prompt), request.max_tokens, request.depth, request.temperature, request.seed,
+                request.stop_ids, observer)
+        recorded = getattr(self.speculator, "run_recorded", None)
+        if calls is None or recorded is None:
+            return self.speculator.run(*args)
+        result, took_part = recorded(*args)
+        calls.extend(took_part)
+        return result
+
+    @property
+    def batches(self) -> bool:
+        """Whether the runtime batches the requests in flight and records its calls (`run(calls=...)`)."""
+        return hasattr(self.speculator, "run_recorded")

@@ -9,6 +9,11 @@ Requests run concurrently: `execute` hands each to a thread of its own and retur
 model answers through its response senders), so the requests in flight meet in the runtime's
 batched backend calls (`runtime/batching.py`) as in a serving engine, instead of queueing.
 
+Where the runtime batches, the last response also carries `batched_calls` [calls, 4]: for each
+batched backend call the request took part in, its id (unique in this model instance), size,
+whether a prefill was in it (0/1), and the sequences in flight when it ran; a client that sent a
+level's requests unions them by id into the level's batch sizes (`runtime/triton_client.py`).
+
 Every request is checked before it runs (`SpeculationService.parse`). A request the pair cannot
 run gets INVALID_ARG (HTTP 400) with one line naming the input; any other failure gets INTERNAL
 (HTTP 500) with one generic line, and the detail goes to the server log only.
@@ -107,7 +112,8 @@ class TritonPythonModel:
             sent.extend(tokens)
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tokens(tokens, sent)))
 
-        result = self.service.run(checked, on_tokens=send_chunk if checked.streaming else None)
+        calls = []
+        result = self.service.run(checked, on_tokens=send_chunk if checked.streaming else None, calls=calls)
         rest = result.tokens[len(sent):]
         sent.extend(rest)
         stats = statistics(result.accepted_per_step, result.drafts)
@@ -122,6 +128,9 @@ class TritonPythonModel:
             pb_utils.Tensor("total_draft_tokens", np.asarray([stats["total_draft_tokens"]], dtype=np.int32)),
             pb_utils.Tensor("draft_tokens", drafts),
         ]
+        if self.service.batches:  # runtimes that do not batch have no calls to report
+            rows = np.asarray([call.row() for call in calls], dtype=np.int64).reshape(-1, 4)
+            outputs.append(pb_utils.Tensor("batched_calls", rows))
         sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
 
     def _tokens(self, new, so_far):

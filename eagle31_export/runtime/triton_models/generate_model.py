@@ -27,7 +27,7 @@ import triton_python_backend_utils as pb_utils
 from eagle31_export.runtime.triton_status import STATUS_PARAMETER, untag_status
 
 OUTPUTS = ["output_ids", "text_output", "accepted_per_step", "acceptance_length", "acceptance_rate",
-           "total_accepted_draft_tokens", "total_draft_tokens", "draft_tokens"]
+           "total_accepted_draft_tokens", "total_draft_tokens", "draft_tokens", "batched_calls"]
 
 
 class TritonPythonModel:
