@@ -58,14 +58,14 @@ def _render(console: Console, result) -> None:
         exp.add_row(name, what)
     console.print(exp)
     parity = result.parity
-    verdict = "[green]PASS[/]" if parity.passed else "[red]FAIL[/]"
+    verdict = _verdict(parity)
     console.print(f"parity, ONNX Runtime vs PyTorch reference (EAGLE 3.1, depth 3, {len(parity.rows)} prompts): "
                   f"{verdict}, tau {parity.tau('reference'):.3f} vs {parity.tau('runtime'):.3f}")
     vllm = result.vllm
     if isinstance(vllm, str):
         console.print(f"parity, vLLM vs PyTorch reference: {vllm}")
     else:
-        verdict = "[green]PASS[/]" if vllm.passed else "[red]FAIL[/]"
+        verdict = _verdict(vllm)
         console.print(f"parity, vLLM (a real engine) vs PyTorch reference (EAGLE 3.1, depth 3, {len(vllm.rows)} "
                       f"prompts, {'fp32: exact' if vllm.exact else 'bf16: statistical'}): {verdict}, tau "
                       f"{vllm.tau('reference'):.3f} vs {vllm.tau('runtime'):.3f}")
@@ -75,6 +75,11 @@ def _render(console: Console, result) -> None:
                                   "pair has it: free of the repetition a tiny target's own greedy text shows)",
                                   DEPTHS, result.agreement))
     console.print(f"artifacts, parity report and plots in {result.out}")
+
+
+def _verdict(report) -> str:
+    colour = {"PASS": "green", "FAIL": "red"}.get(report.verdict, "yellow")
+    return f"[{colour}]{report.verdict}[/]"
 
 
 def _by_depth_table(title: str, depths, rows: dict[tuple[str, str], list[float]]) -> Table:

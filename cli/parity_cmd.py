@@ -1,4 +1,5 @@
-"""`eagle31-export parity`: reference vs runtime on the same prompts; exit 0 pass, 1 fail, 2 bad input."""
+"""`eagle31-export parity`: reference vs runtime on the same prompts; exit 0 pass, 1 fail, 2 bad input,
+3 a pass that showed nothing (the reference accepted no drafts at some position: parity/evidence.py)."""
 
 from __future__ import annotations
 
@@ -50,8 +51,10 @@ def parity(
     force: bool = typer.Option(False, "--force", help="Replace an earlier report at --out."),
     as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
     device: DeviceOpt = "cpu",
-    runtime_dtype: str = typer.Option("fp32", "--runtime-dtype", help="What the runtime computes in: fp32 (exact "
-                                      "comparison) or bf16 (statistical); vllm: the engine's --dtype."),
+    runtime_dtype: Optional[str] = typer.Option(None, "--runtime-dtype", help="What the runtime computes in: fp32 "
+                                                "(exact comparison, the default) or bf16 (statistical); vllm: the "
+                                                "engine's --dtype; with --url, read from the server where it tells "
+                                                "(its /server_info), else required."),
     vllm: VllmOpt = None,
     port: PortOpt = None,
     engine_timeout: EngineTimeoutOpt = 600.0,
@@ -59,12 +62,16 @@ def parity(
                                               "in flight, for each C of a list such as 1,4,16 (runtimes that serve "
                                               "requests: onnxruntime, triton, vllm); compared with C = 1 and the "
                                               "reference."),
+    repeat: int = typer.Option(0, "--repeat", min=0, max=100, help="Send the prompts N more times at each "
+                               "concurrency level; every send must equal the first (an engine's prefix cache "
+                               "serves the later ones: vllm reports its hits)."),
 ) -> None:
     """Run reference and runtime on the same prompts; compare tokens, drafts, acceptance."""
     from eagle31_export.parity.report import markdown, write_report
 
     from eagle31_export.formats.outputs import check_output
     from eagle31_export.parity.concurrency import parse_levels
+    from eagle31_export.parity.evidence import EXIT_INCONCLUSIVE
     from eagle31_export.parity.sides import check_parity
 
     inputs = [bundle, drafter, target, capture, prompts]
@@ -75,9 +82,9 @@ def parity(
         phases = display.phases()
         report = check_parity(runtime, bundle, drafter, target, url, prompts, depth, max_new_tokens, temperature, seed,
                               phases, mode, capture=capture, act_quant=act_quant, device=device,
-                              runtime_options={"dtype": parse_dtype(runtime_dtype),
+                              runtime_options={"dtype": parse_dtype(runtime_dtype) if runtime_dtype else None,
                                                **vllm_options(vllm, port, engine_timeout)},
-                              concurrency=levels)
+                              concurrency=levels, repeat=repeat)
         if out is not None:
             with phases.phase("write"):  # report.json holds the timings up to here; stdout's also this one
                 write_report(report, out, force=force, inputs=inputs)
@@ -85,4 +92,4 @@ def parity(
         print_json({**report.to_json(), "timings": phases.as_json()})
     else:
         Console().print(markdown(report))
-    raise typer.Exit(0 if report.passed else 1)
+    raise typer.Exit({"PASS": 0, "FAIL": 1}.get(report.verdict, EXIT_INCONCLUSIVE))

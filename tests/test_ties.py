@@ -62,3 +62,28 @@ def test_a_round_decided_by_a_near_tie_of_the_drafter_is_a_tie():
     assert [(d.kind, d.index, d.draft_position, d.tie) for d in found] == [("round", 0, 1, True)]
     ref.draft_margins[0][0] = 0.5
     assert [d.tie for d in divergences(ref, run, 1e-4)] == [False]
+
+
+def test_under_load_a_tie_is_counted_and_a_break_fails_as_batching():
+    """At C = 4 one prompt commits the other of two logits 1e-7 apart, another a token 0.5 below the best:
+    the level counts one tie, fails once, and blames the batched step for the break only."""
+    from eagle31_export.parity.concurrency import BATCHING, LoadRuns, compare_levels
+    from eagle31_export.runtime.contract import ConcurrentRun
+
+    tie_ref, tie_run = results(1e-7)
+    break_ref, break_run = results(0.5)
+    base = [SpecResult(tokens=list(r.tokens), drafts=r.drafts, accepted_per_step=r.accepted_per_step, depth=2)
+            for r in (tie_ref, break_ref)]  # at C = 1 both prompts gave the reference's own tokens
+    replayed = {0: tie_ref, 1: break_ref}  # the reference along each run's own sequence, with its logit gaps
+
+    def judge(index, run):
+        return divergences(replayed[index], run, Thresholds().tie_gap(exact=True))
+
+    load = LoadRuns({4: ConcurrentRun([tie_run, break_run])}, {4: 1.0})
+    rows, failures = compare_levels(base, 1.0, base, load, 2, True, 0.02, judge)
+    level = rows[1]
+    assert level.tied_prompts == [0] and level.differing_prompts == [1]
+    assert len(level.ties) == 1 and level.ties[0].startswith("prompt 0: token 2")
+    assert len(failures) == 1 and "prompt 1: token 2" in failures[0] and BATCHING in failures[0]
+    rows, failures = compare_levels(base, 1.0, base, load, 2, True, 0.02)  # without the judge: both fail as before
+    assert rows[1].differing_prompts == [0, 1] and len(failures) == 1 and "2 of 2 prompts" in failures[0]

@@ -136,7 +136,9 @@ def assert_not_vacuous(report):
 def test_parity_exact_on_vllm(vllm, tmp_path, drafter, layout):
     """With 4 and 16 requests in flight too (16 prompts), where the layout is the one users serve:
     every prompt's tokens and rounds (from vLLM's per-request metrics) equal C = 1's and the
-    reference's, and the engine's pooled /metrics counters add up to them."""
+    reference's, and the engine's pooled /metrics counters add up to them. The engine really ran
+    them together: its vllm:num_requests_running gauge, sampled while each level ran, reached 4 at
+    C = 4 and at least 8 at C = 16 (tests/test_vllm_serving.py: an engine that runs one at a time)."""
     levels = (1, 4, 16) if layout == ("auto" if drafter == DRAFTER3 else "speculators") else (1,)
     report = parity(vllm, bundle_of(tmp_path, drafter, layout), drafter, concurrency=levels)
     assert_exact_pass(report)
@@ -148,8 +150,14 @@ def test_parity_exact_on_vllm(vllm, tmp_path, drafter, layout):
             assert row.same_tokens_as_reference == row.same_rounds_as_reference == 16
             assert row.accepted_per_position == rows[1].accepted_per_position
         for c in (4, 16):
-            assert rows[c].runtime_counters == {"rounds": rows[c].rounds, "accepted": rows[c].accepted,
-                                                "accepted_per_position": rows[c].accepted_per_position}
+            own = {k: rows[c].runtime_counters[k] for k in ("rounds", "accepted", "accepted_per_position")}
+            assert own == {"rounds": rows[c].rounds, "accepted": rows[c].accepted,
+                           "accepted_per_position": rows[c].accepted_per_position}
+            batching = rows[c].batching
+            assert batching["source"] == "/metrics samples of vllm:num_requests_running"
+            assert batching["in_flight"] == c and sum(batching["histogram"].values()) > 0
+            assert batching["largest"] >= (4 if c == 4 else 8) and batching["mean"] > 1, batching
+            assert rows[c].runtime_counters["engine_steps"] < rows[c].rounds  # more than one request a step
 
 
 def test_four_tap_speculators_drafter_runs_exactly(vllm, tmp_path, sources):
@@ -163,9 +171,20 @@ def _comparable(report) -> dict:
     return data
 
 
-def test_cli_local_engine_and_url_give_the_same_report(vllm, tmp_path):
+@pytest.fixture(scope="module")
+def url_server(vllm, tmp_path_factory):
+    """A server started apart over the eagle31 bundle (the arguments a local engine gets), shared by the
+    tests that reach one with --url. It says nothing of its dtype (no development endpoints)."""
+    root = tmp_path_factory.mktemp("vllm-url")
+    record = read_bundle(export_vllm(DRAFTER31, TARGET, root / "bundle"))
+    with LocalServer(find_vllm(vllm), engine_args(record, LoadOptions(depth=3)), root) as server:
+        yield server
+
+
+def test_cli_local_engine_and_url_give_the_same_report(vllm, tmp_path, url_server):
     """`parity BUNDLE --runtime vllm --vllm VENV` starts and stops its own engine; the same bundle
-    served by a separately started server and reached with --url gives the same report."""
+    served by a separately started server and reached with --url gives the same report, but for how
+    the engine's dtype is known: set by the run (local), stated (--url: the server does not say)."""
     bundle = bundle_of(tmp_path, DRAFTER31)
     port = _free_port()
     code, out, err = cli("parity", bundle, "--runtime", "vllm", "--vllm", vllm, "--port", port, "--json")
@@ -173,19 +192,56 @@ def test_cli_local_engine_and_url_give_the_same_report(vllm, tmp_path):
     local = json.loads(out)
     assert local["passed"] and local["runtime"] == "vllm" and "exact" in local["compared"]
     assert not vllm_processes(port)
-    record = read_bundle(bundle)
-    install = find_vllm(vllm)
-    with LocalServer(install, engine_args(record, LoadOptions(depth=3)), tmp_path) as server:
-        remote = parity(vllm, None, DRAFTER31, url=server.url)
+    remote = parity(vllm, None, DRAFTER31, url=url_server.url)
     assert_exact_pass(remote)
     local.pop("timings")
     remote_json = _comparable(remote)
+    assert local.pop("runtime_dtype") == {"dtype": "float32", "basis": "set",
+                                          "how": "the local engine this run started with --dtype float32"}
+    stated = remote_json.pop("runtime_dtype")
+    assert stated["dtype"] == "float32" and stated["basis"] == "stated", stated
     # the reference's own per-depth RMS differs in the last digits between this process (1 torch thread)
     # and the command's (its default threads); everything the runtime decides is identical
     ref_local, ref_remote = local["per_depth"].pop("reference"), remote_json["per_depth"].pop("reference")
     assert remote_json == local
     for key in ("agreement", "fed_back_rms"):
         assert ref_remote[key] == pytest.approx(ref_local[key], rel=1e-6)
+
+
+def test_url_of_a_server_that_does_not_tell_its_dtype_needs_runtime_dtype(vllm, url_server):
+    """vLLM 0.32 says what it computes in on /server_info only (a development endpoint); without it,
+    --url takes --runtime-dtype, or the comparison would assume fp32 of a server that may be bf16."""
+    _assert_one_line(*cli("parity", "--drafter", DRAFTER31, "--target", TARGET, "--runtime", "vllm",
+                          "--url", url_server.url), "does not say what dtype", "--runtime-dtype fp32 or bf16")
+
+
+def test_repeats_are_identical_and_served_from_the_prefix_cache(vllm, url_server, tmp_path):
+    """`parity --runtime vllm --repeat 3 --concurrency 1,4`: every prompt sent three more times at each
+    level equals the level's first send, tokens and every round (vLLM issue 41838), and each of those
+    sends was served in part from the engine's prefix cache (the default prompts open alike with
+    REPEAT_OPENING tokens), as the report shows."""
+    out = tmp_path / "report"
+    code, stdout, err = cli("parity", "--drafter", DRAFTER31, "--target", TARGET, "--runtime", "vllm", "--url",
+                            url_server.url, "--runtime-dtype", "fp32", "--repeat", 3, "--concurrency", "1,4",
+                            "--out", out)
+    assert code == 0, (stdout[-3000:], err[-2000:])
+    report = json.loads((out / "report.json").read_text())
+    rows = {row["concurrency"]: row for row in report["concurrency"]}
+    assert sorted(rows) == [1, 4] and len(report["prompts"]) == 8
+    assert all(p["prompt_len"] > 256 for p in report["prompts"])  # more than two of the CPU build's 128-token blocks
+    for c, row in rows.items():
+        assert [r["repeat"] for r in row["repeats"]] == [1, 2, 3], c
+        for r in row["repeats"]:
+            assert r["same_as_first"] == r["prompts"] == 8 and not r["differing_prompts"], (c, r)
+            assert r["prefix_caching"] is True and r["cache_block_size"] == 128
+            # vLLM serves whole blocks and, for EAGLE, one block less than it matched: 128 tokens a prompt
+            assert 128 <= r["prefix_cache_hits"] <= r["prefix_cache_queries"], (c, r)
+    assert rows[4]["batching"]["largest"] >= 4
+    assert report["runtime_dtype"]["basis"] == "stated"
+    md = (out / "report.md").read_text()
+    assert "## Repeats" in md and "served from the prefix cache over 3 repeats" in md, md
+    assert "runtime dtype: float32, **stated, not observed**" in md
+    assert not report["failures"]
 
 
 @pytest.mark.parametrize("bug, symptom", [("norm_output", LATER_POSITIONS), ("taps", POSITION_1),

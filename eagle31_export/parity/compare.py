@@ -25,8 +25,11 @@ from typing import Callable
 import torch
 
 from eagle31_export.errors import UserError
-from eagle31_export.parity.concurrency import ConcurrencyRow, LoadRuns, check_runtime_serves, compare_levels, run_levels
+from eagle31_export.parity.concurrency import (
+    ConcurrencyRow, Judge, LoadRuns, check_runtime_serves, compare_levels, compare_repeats, run_levels,
+)
 from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
+from eagle31_export.parity.evidence import inconclusive_reasons
 from eagle31_export.parity.ties import Divergence, divergences
 from eagle31_export.progress import Phases
 from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
@@ -99,10 +102,29 @@ class ParityReport:
     timings: dict[str, float] = field(default_factory=dict)
     # --concurrency: one row per level C (C = 1 first), parity/concurrency.py
     concurrency: list[ConcurrencyRow] = field(default_factory=list)
+    # why a PASS would show nothing (parity/evidence.py); said first, and the exit status says it
+    inconclusive: list[str] = field(default_factory=list)
+    runtime_dtype: dict | None = None  # what the runtime computes in and how that is known (vllm: set/observed/stated)
 
     @property
     def passed(self) -> bool:
         return not self.failures
+
+    @property
+    def verdict(self) -> str:
+        """PASS, FAIL, or INCONCLUSIVE: passed, but nothing a drafter bug would change was compared."""
+        if self.failures:
+            return "FAIL"
+        return "INCONCLUSIVE" if self.inconclusive else "PASS"
+
+    def judge_evidence(self) -> None:
+        """Where drafts are not compared one by one, whether the accepted counts showed anything."""
+        # rates are compared under sampling, and in half precision where differences are not judged as ties
+        statistical = self.temperature != 0 or not (self.exact or self.ties_judged)
+        if self.drafts_reported and not statistical:
+            self.inconclusive = []  # every draft compared: a drafter bug shows whatever is accepted
+            return
+        self.inconclusive = inconclusive_reasons(self.rows, self.depth, statistical)
 
     @property
     def compared(self) -> str:
@@ -135,7 +157,8 @@ class ParityReport:
         return sum(values) / max(len(values), 1)
 
     def to_json(self) -> dict:
-        return {"passed": self.passed, "runtime": self.runtime, "mode": self.mode, "depth": self.depth,
+        return {"passed": self.passed, "verdict": self.verdict, "inconclusive": self.inconclusive,
+                "runtime": self.runtime, "mode": self.mode, "depth": self.depth,
                 "temperature": self.temperature, "exact_comparison": self.exact,
                 "compared": self.compared,
                 "thresholds": asdict(self.thresholds), "tie_gap": self.thresholds.tie_gap(self.exact),
@@ -143,6 +166,7 @@ class ParityReport:
                 "tau_runtime": self.tau("runtime"), "failures": self.failures,
                 "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth,
                 "concurrency": [{**asdict(c), "tokens_per_second": c.tokens_per_second} for c in self.concurrency],
+                "runtime_dtype": self.runtime_dtype,
                 "timings": self.timings}
 
 
@@ -272,14 +296,15 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
                temperature: float = 0.0, seed: int = 0, exact: bool | None = None,
                thresholds: Thresholds = Thresholds(), on_prompt: Callable[[int], None] | None = None,
                mode: str | None = None, per_depth_positions: int = 8, progress=None,
-               concurrency: tuple[int, ...] = (1,)) -> ParityReport:
+               concurrency: tuple[int, ...] = (1,), repeat: int = 0) -> ParityReport:
     """`mode` "replay" (greedy only; the default there): the reference drafter is replayed at the
     runtime's round boundaries with one target forward per prompt; "autoregressive": the reference
     runs its own loop (the only mode for sampling). `per_depth_positions` > 0: also measure both
     sides per draft depth at that many positions per prompt (`per_depth_sides`). `progress`: phases
     `compare` (prompts done) and `per_depth`, timed into `report.timings` (eagle31_export/progress.py).
     `concurrency`: levels C at which the runtime also runs every prompt with C requests in flight
-    (parity/concurrency.py)."""
+    (parity/concurrency.py); `repeat`: every level sent that many more times, each send against the
+    level's first (`run_repeats`)."""
     phases = Phases.of(progress)
     mode = mode or ("replay" if temperature == 0 and hasattr(reference, "replay") else "autoregressive")
     if mode not in MODES:
@@ -293,9 +318,10 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
     with phases.phase("compare", total=len(prompts)):
         runs, refs, seconds = _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
                                                temperature, seed, exact, thresholds, mode, on_prompt, phases)
-    load = run_levels(runtime, prompts, depth, max_new_tokens, temperature, seed, concurrency, phases)
+    load = run_levels(runtime, prompts, depth, max_new_tokens, temperature, seed, concurrency, phases, repeat)
     report.failures = _failures(report)
-    _add_levels(report, runs, seconds, refs, load)
+    _add_levels(report, runs, seconds, refs, load, _tie_judge(reference, prompts, report))
+    report.judge_evidence()
     if per_depth_positions:
         with phases.phase("per_depth"):
             report.per_depth = per_depth_sides(reference, runtime, prompts, depth, per_depth_positions)
@@ -306,7 +332,7 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
 def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: Callable[[], Speculator],
                        prompts: list[list[int]], depth: int, max_new_tokens: int, seed: int = 0,
                        thresholds: Thresholds = Thresholds(), per_depth_positions: int = 8,
-                       progress=None, concurrency: tuple[int, ...] = (1,)) -> ParityReport:
+                       progress=None, concurrency: tuple[int, ...] = (1,), repeat: int = 0) -> ParityReport:
     """Greedy replay parity holding one side in memory at a time, for pairs whose target fits once but
     not twice: the runtime generates every prompt and is released; only then is the reference loaded,
     to replay its drafter at the runtime's round boundaries. The per-depth section measures both sides
@@ -323,7 +349,7 @@ def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: C
                 logits = FirstDraftLogits()
                 runs.append((runtime.run(prompt, max_new_tokens, depth, 0.0, seed + i, observer=logits), logits))
                 phases("runtime", i + 1, len(prompts))
-        load = run_levels(runtime, prompts, depth, max_new_tokens, 0.0, seed, concurrency, phases)
+        load = run_levels(runtime, prompts, depth, max_new_tokens, 0.0, seed, concurrency, phases, repeat)
         positions = _positions_within(runs, depth, per_depth_positions)
         continuations = [run.tokens[:positions + depth - 1] for run, _ in runs]
         per_depth = {"positions_per_prompt": positions}
@@ -360,7 +386,9 @@ def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: C
             report.rows.append(row)
             phases("compare", i + 1, len(prompts))
     report.failures = _failures(report)
-    _add_levels(report, [run for run, _ in runs], phases.timings.get("runtime", 0.0), refs, load)
+    _add_levels(report, [run for run, _ in runs], phases.timings.get("runtime", 0.0), refs, load,
+                _tie_judge(reference, prompts, report))
+    report.judge_evidence()
     if positions:
         with phases.phase("per_depth"):
             per_depth["reference"] = per_depth_side(reference, prompts, depth, positions, continuations)
@@ -377,13 +405,25 @@ def _positions_within(runs, depth: int, wanted: int) -> int:
 
 
 def _add_levels(report: ParityReport, runs: list[SpecResult], seconds: float, refs: list[SpecResult],
-                load: LoadRuns) -> None:
+                load: LoadRuns, judge: Judge | None = None) -> None:
     """The concurrency rows and their failures, where levels beyond C = 1 ran."""
-    if not load.runs:
+    if not load.runs and not load.repeats:
         return
     report.concurrency, failures = compare_levels(runs, seconds, refs, load, report.depth, report.exact,
-                                                  report.thresholds.tau_rel_tol)
-    report.failures += failures
+                                                  report.thresholds.tau_rel_tol, judge)
+    report.failures += failures + compare_repeats(report.concurrency, runs, load, report.exact, judge)
+
+
+def _tie_judge(reference: Speculator, prompts: list[list[int]], report: ParityReport) -> Judge | None:
+    """Greedy, with a reference that replays: each run under load judged along its own sequence, at the
+    tie tolerance of the runtime's precision (parity/ties.py)."""
+    if report.temperature != 0 or not hasattr(reference, "replay"):
+        return None
+    gap, drafts = report.thresholds.tie_gap(report.exact), report.drafts_reported
+
+    def judge(index: int, run: SpecResult):
+        return divergences(reference.replay(prompts[index], run), run, gap, run.drafts if drafts else None)
+    return judge
 
 
 def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens, temperature, seed, exact,

@@ -22,7 +22,7 @@ def write_report(report: ParityReport, folder: Path, force: bool = False, inputs
 
 
 def markdown(report: ParityReport) -> str:
-    verdict = "PASS" if report.passed else "FAIL"
+    verdict = report.verdict
     worst = min(report.rows, key=lambda r: (r.tokens_identical, r.accepted_identical, r.drafts_identical,
                                             -abs(r.tau_runtime - r.tau_reference),
                                             -(r.first_logits_max_abs_diff or 0.0)), default=None)
@@ -30,6 +30,7 @@ def markdown(report: ParityReport) -> str:
     lines = [
         f"# Acceptance parity: **{verdict}**",
         "",
+        *[f"**Inconclusive:** {reason}" + "\n" for reason in report.inconclusive],
         f"runtime `{report.runtime}` vs PyTorch reference, depth {report.depth}, "
         f"temperature {report.temperature}, {len(report.rows)} prompts",
         "",
@@ -47,6 +48,7 @@ def markdown(report: ParityReport) -> str:
         "",
         f"compared: {report.compared}",
         "",
+        *dtype_lines(report),
     ]
     if diffs:
         lines += [f"first-step draft logits: max abs difference {max(diffs):.3g}", ""]
@@ -58,11 +60,65 @@ def markdown(report: ParityReport) -> str:
     lines += tie_lines(report)
     lines += per_depth_lines(report)
     lines += concurrency_lines(report.concurrency, report.runtime, report.tau("reference"))
+    lines += repeat_lines(report)
     lines += ["Thresholds: " + ", ".join(f"{k}={v}" for k, v in report.to_json()["thresholds"].items()),
               "", "Plots: `acceptance_by_position.png`, `tau_per_prompt.png`, `tau_vs_context.png`"
               + (", `per_depth.png`" if report.per_depth else "")
               + (", `tau_by_concurrency.png`" if report.concurrency else "") + ".", ""]
     return "\n".join(lines)
+
+
+def dtype_lines(report: ParityReport) -> list[str]:
+    """What the runtime computes in, and whether that was observed, set or only stated."""
+    d = report.runtime_dtype
+    if not d:
+        return []
+    said = {"observed": "observed", "set": "set", "stated": "**stated, not observed**"}.get(d["basis"], d["basis"])
+    return [f"runtime dtype: {d['dtype']}, {said}: {d['how']}", ""]
+
+
+def repeat_lines(report: ParityReport) -> list[str]:
+    """--repeat: each later send of every level against its first, with the engine's prefix-cache
+    hits over it (tokens), so that a send the cache never served shows."""
+    rows = [(row.concurrency, r) for row in report.concurrency for r in row.repeats]
+    if not rows:
+        return []
+    n = max(r.repeat for _, r in rows)
+    lines = [f"## Repeats: the prompts sent again at each level, {n} more time{'s' if n > 1 else ''}", "",
+             "| C | repeat | same as the first send | differing (beyond ties) | by ties only "
+             "| prefix-cache hits / queries (tokens) | seconds |",
+             "|---|---|---|---|---|---|---|"]
+    for c, r in rows:
+        cache = ("not reported" if r.prefix_cache_hits is None
+                 else f"{r.prefix_cache_hits} / {r.prefix_cache_queries}")
+        differing = ", ".join(map(str, r.differing_prompts[:8])) or "none"
+        lines.append(f"| {c} | {r.repeat} | {r.same_as_first}/{r.prompts} | {differing} | {len(r.tied_prompts)} "
+                     f"| {cache} | {r.seconds:.1f} |")
+    lines.append("")
+    for c in sorted({c for c, _ in rows}):
+        mine = [r for level, r in rows if level == c]
+        if all(r.prefix_cache_hits is not None for r in mine):
+            hits, queries = sum(r.prefix_cache_hits for r in mine), sum(r.prefix_cache_queries or 0 for r in mine)
+            cold = [r.repeat for r in mine if not r.prefix_cache_hits]
+            lines.append(f"- C = {c}: {hits} of {queries} prompt tokens served from the prefix cache over "
+                         f"{len(mine)} repeats" + (f"; repeats {', '.join(map(str, cold))} hit no cached block"
+                                                   if cold else ""))
+    if any(r.prefix_cache_hits is not None for _, r in rows):
+        lines += _cold_cache_note([r for _, r in rows]) + [
+            "", "Hits and queries: the engine's vllm:prefix_cache_hits / vllm:prefix_cache_queries over each send.", ""]
+    return lines
+
+
+def _cold_cache_note(repeats) -> list[str]:
+    if any(r.prefix_cache_hits for r in repeats) or all(r.prefix_cache_hits is None for r in repeats):
+        return []
+    if any(r.prefix_caching is False for r in repeats):
+        return ["", "**No send hit the prefix cache:** the engine runs without prefix caching "
+                "(vllm:cache_config_info enable_prefix_caching False)."]
+    block = next((r.cache_block_size for r in repeats if r.cache_block_size), None)
+    size = f" of {block} tokens" if block else ""
+    return ["", f"**No send hit the prefix cache:** it serves whole blocks{size} only (vllm:cache_config_info "
+            "block_size); give prompts longer than a block (--prompts)."]
 
 
 def tie_lines(report: ParityReport) -> list[str]:

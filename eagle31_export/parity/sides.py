@@ -10,6 +10,7 @@ that the export reads back as the same drafter, `onnxruntime` runs an `export on
 from __future__ import annotations
 
 import json
+import random
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -21,9 +22,14 @@ from eagle31_export.formats.outputs import MANIFEST, check_artifacts, check_cons
 from eagle31_export.formats.prompts import read_prompts
 from eagle31_export.formats.target.checkpoint import read_target_info
 from eagle31_export.parity.compare import MODES, ParityReport, Thresholds, run_parity, run_parity_in_turn
+from eagle31_export.parity.concurrency import check_repeat
 from eagle31_export.parity.prompts import bundle_sources, capture_prompts, default_prompts  # noqa: F401
 from eagle31_export.progress import Phases
 from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator, resolve_device, runtime_named
+
+
+# runtimes that ask a server at --url what dtype it computes in, where --runtime-dtype is not given
+ASKS_SERVER_DTYPE = ("vllm",)
 
 
 def check_bundle(bundle: Path, drafter: Path | None, target: Path | None) -> None:
@@ -45,7 +51,7 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
                  prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                  progress=None, mode: str | None = None, capture: Path | None = None,
                  act_quant: bool = False, device: str = "cpu", runtime_options: dict | None = None,
-                 concurrency: tuple[int, ...] = (1,)) -> ParityReport:
+                 concurrency: tuple[int, ...] = (1,), repeat: int = 0) -> ParityReport:
     """The whole parity check: both sides from the registry, the prompts, the comparison.
     `progress(phase, done, total)` hears of each phase (load_reference, load_runtime, compare per
     prompt, per_depth; eagle31_export/progress.py), whose seconds land in `report.timings`. With
@@ -53,10 +59,18 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     the captured ones. `act_quant`: an NVFP4 target computes W4A4 (its inputs NVFP4-quantized too) on
     both sides. `device` (cpu, cuda, auto): where the reference pair computes, on both sides.
     `runtime_options`: LoadOptions fields for the runtime side only (vllm: `dtype` of the engine, `vllm`,
-    `port`, `engine_timeout`); the reference always computes in fp32. `concurrency`: the levels C at
-    which the runtime also serves every prompt with C requests in flight (parity/concurrency.py)."""
+    `port`, `engine_timeout`); the reference always computes in fp32. `dtype` None: not stated, which
+    a vLLM server at `url` is asked (runtime/vllm_runtime.py: served_dtype); everywhere else fp32.
+    `concurrency`: the levels C at which the runtime also serves every prompt with C requests in
+    flight (parity/concurrency.py); `repeat`: every level sent that many more times, each send
+    compared with the first (with the default prompts, each then opens with the same
+    REPEAT_OPENING tokens, so that an engine's prefix cache has whole blocks to serve)."""
     runtime_named(runtime)  # an unknown name fails before anything loads
     resolve_device(device, runtime)  # and so does a device either side cannot use
+    check_repeat(repeat)
+    runtime_options = dict(runtime_options or {})
+    if "dtype" in runtime_options and runtime_options["dtype"] is None and not (url and runtime in ASKS_SERVER_DTYPE):
+        runtime_options["dtype"] = torch.float32
     phases = Phases.of(progress)
     if bundle is not None and not bundle.is_dir():
         raise UserError(f"{bundle}: no such bundle folder")
@@ -69,7 +83,7 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
                             "drop --act-quant, or give --target")
         return _parity_on_capture(runtime, bundle, drafter or (bundle_sources(bundle)[0] if bundle else None), capture,
                                   url, prompts_file, depth, max_new_tokens, temperature, seed, phases, mode,
-                                  target, device, runtime_options, concurrency)
+                                  target, device, runtime_options, concurrency, repeat)
     src_drafter, src_target = bundle_sources(bundle) if bundle else (None, None)
     drafter, target = drafter or src_drafter, target or src_target
     if drafter is None or target is None:
@@ -79,17 +93,37 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     # under load, enough prompts by default that the highest level really has C requests in flight
     count = max(8, *concurrency)
     prompts = read_prompts(prompts_file, target, vocab) if prompts_file else default_prompts(vocab, count)
+    if repeat and not prompts_file:
+        prompts = _with_opening(prompts, vocab, read_target_info(target).max_position_embeddings,
+                                max_new_tokens + depth + 1)
     # the reference reads NVFP4 scales as the engine compared with does (formats/nvfp4/scheme.py: NVFP4_SEMANTICS)
     options = LoadOptions(dtype=torch.float32, act_quant=act_quant, device=device,
                           nvfp4_semantics=runtime_named(runtime).nvfp4_semantics)
     return _run_sides(runtime, PairSource.of(drafter, target), PairSource.of(drafter, target, bundle, url), options,
-                      prompts, depth, max_new_tokens, temperature, seed, mode, phases, runtime_options, concurrency)
+                      prompts, depth, max_new_tokens, temperature, seed, mode, phases, runtime_options, concurrency,
+                      repeat)
+
+
+# --repeat with the default prompts: each opens with the same seeded tokens, two of the prefix-cache
+# blocks of vLLM's CPU build (128 tokens; 16 on its GPU builds), so later sends, and requests in flight
+# beside the one that first computed them, are served from cached blocks
+REPEAT_OPENING = 256
+
+
+def _with_opening(prompts: list[list[int]], vocab: int, context: int | None, room: int) -> list[list[int]]:
+    """The prompts behind one shared opening of REPEAT_OPENING tokens, where the target's context fits it."""
+    if context is not None and REPEAT_OPENING + max(map(len, prompts)) + room > context:
+        return prompts
+    rng = random.Random(REPEAT_OPENING)
+    opening = [rng.randrange(vocab) for _ in range(REPEAT_OPENING)]
+    return [opening + p for p in prompts]
 
 
 def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, capture_dir: Path, url: str | None,
                        prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float, seed: int,
                        phases: Phases, mode: str | None, target: Path | None, device: str,
-                       runtime_options: dict | None = None, concurrency: tuple[int, ...] = (1,)) -> ParityReport:
+                       runtime_options: dict | None = None, concurrency: tuple[int, ...] = (1,),
+                       repeat: int = 0) -> ParityReport:
     from eagle31_export.formats.capture import Capture
 
     if target is not None:
@@ -105,34 +139,41 @@ def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, 
     options = LoadOptions(dtype=torch.float32, device=device)
     return _run_sides(runtime, PairSource.of(drafter, capture=capture_dir),
                       PairSource.of(drafter, None, bundle, url, capture=capture_dir), options, prompts, depth,
-                      max_new_tokens, temperature, seed, mode, phases, runtime_options, concurrency)
+                      max_new_tokens, temperature, seed, mode, phases, runtime_options, concurrency, repeat)
 
 
 def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairSource, options: LoadOptions,
                prompts: list[list[int]], depth: int, max_new_tokens: int, temperature: float, seed: int,
                mode: str | None, phases: Phases, runtime_options: dict | None = None,
-               concurrency: tuple[int, ...] = (1,)) -> ParityReport:
+               concurrency: tuple[int, ...] = (1,), repeat: int = 0) -> ParityReport:
     """Greedy replay (the default) holds one side at a time, so a target that fits the machine once is
     enough; autoregressive and sampling parity run both sides prompt by prompt."""
     if mode not in (None, *MODES):
         raise UserError(f"unknown parity mode {mode!r}; choose one of {', '.join(MODES)}")
     with tempfile.TemporaryDirectory(prefix="eagle31-parity-") as workdir:  # an on-the-fly export lives here
         runtime_side = replace(options, depth=depth, **(runtime_options or {}))
+        seen = {}  # what the runtime says of its dtype; not the runtime itself, which in-turn parity releases
 
         def load_runtime():
-            return load_speculator(runtime, runtime_source, runtime_side, workdir)
+            speculator = load_speculator(runtime, runtime_source, runtime_side, workdir)
+            seen["runtime_dtype"] = getattr(speculator, "runtime_dtype", None)
+            return speculator
 
         def load_reference():
             return load_speculator("reference", reference_source, options)
 
         thresholds = Thresholds(fp4_activations=options.act_quant)
         if temperature == 0 and mode in (None, "replay"):
-            return run_parity_in_turn(load_runtime, load_reference, prompts, depth, max_new_tokens, seed,
-                                      thresholds, progress=phases, concurrency=concurrency)
-        with phases.phase("load_reference"):
-            reference = load_reference()
-        with phases.phase("load_runtime"):
-            other = load_runtime()
-        with other:  # a server the runtime started stops whatever happens
-            return run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
-                              mode=mode, thresholds=thresholds, progress=phases, concurrency=concurrency)
+            report = run_parity_in_turn(load_runtime, load_reference, prompts, depth, max_new_tokens, seed,
+                                        thresholds, progress=phases, concurrency=concurrency, repeat=repeat)
+        else:
+            with phases.phase("load_reference"):
+                reference = load_reference()
+            with phases.phase("load_runtime"):
+                other = load_runtime()
+            with other:  # a server the runtime started stops whatever happens
+                report = run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
+                                    mode=mode, thresholds=thresholds, progress=phases, concurrency=concurrency,
+                                    repeat=repeat)
+        report.runtime_dtype = seen.get("runtime_dtype")
+        return report

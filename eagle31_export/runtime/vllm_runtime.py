@@ -2,7 +2,9 @@
 the tokens and vLLM's own acceptance counts (docs/runtimes.md, "vLLM").
 
 Two ways in:
-- `--url http://HOST:PORT`: any running vLLM OpenAI-compatible server (GPU included);
+- `--url http://HOST:PORT`: any running vLLM OpenAI-compatible server (GPU included); what it computes
+  in is read from its /server_info where it tells (vLLM's development endpoints), else as stated with
+  --runtime-dtype (`served_dtype`);
 - a local engine: `python -m vllm.entrypoints.openai.api_server` started from the vLLM environment the
   user names (`--vllm VENV`), over an `export vllm` bundle (or one exported on the fly from
   `--drafter`/`--target`), bound to 127.0.0.1, with the arguments that make the comparison exact:
@@ -15,6 +17,7 @@ per-position counts (`reports_drafts` is False).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -27,8 +30,8 @@ import torch
 
 from eagle31_export.errors import UserError
 from eagle31_export.reference.speculate import SpecResult, replay_rounds
-from eagle31_export.runtime.contract import ConcurrentRun, LoadOptions, PairSource, Speculator
-from eagle31_export.runtime.vllm_client import Completion, SpecCounters, VllmClient
+from eagle31_export.runtime.contract import BatchFigures, ConcurrentRun, LoadOptions, PairSource, Speculator
+from eagle31_export.runtime.vllm_client import Completion, EngineMetrics, RunningSampler, SpecCounters, VllmClient
 from eagle31_export.runtime.vllm_engine import CPU_NVFP4_PLUGIN, LocalServer, VllmInstall, find_vllm
 
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # model.layers.1.mlp.experts.7.gate_proj
@@ -43,8 +46,10 @@ class VllmSpeculator(Speculator):
     serves_concurrently = True  # the engine schedules the requests in flight as one batch
 
     def __init__(self, client: VllmClient, exact: bool, server: LocalServer | None = None,
-                 cleanup: Path | None = None):
+                 cleanup: Path | None = None, runtime_dtype: dict | None = None):
         self.client, self.exact, self.server = client, exact, server
+        # what the engine computes in, and how we know: {"dtype", "basis": set | observed | stated, "how"}
+        self.runtime_dtype = runtime_dtype
         self.rounds_in_order = True  # False once a server answers without per-step acceptance
         self._finalizer = weakref.finalize(self, _shutdown, server, cleanup)
 
@@ -67,21 +72,38 @@ class VllmSpeculator(Speculator):
     def run_concurrently(self, prompts, max_new_tokens, depth, concurrency, temperature=0.0, seed=0) -> ConcurrentRun:
         """Every prompt with `concurrency` requests in flight. Each request's rounds come from its own
         response (vLLM's per-request metrics); the /metrics counters, read before and after the whole
-        run, are the engine's pooled view, which those must add up to (parity/concurrency.py)."""
-        def one(i: int) -> Completion:
-            return self.client.complete(list(prompts[i]), max_new_tokens, temperature, seed + i, ())
+        run, are the engine's pooled view, which those must add up to (parity/concurrency.py), with
+        its prefix-cache lookups and engine steps over the run. Above one request in flight, the
+        engine's `vllm:num_requests_running` is sampled throughout (`batching`): how many requests
+        its steps really ran together."""
+        sampler = RunningSampler(self.client) if concurrency > 1 else None
 
-        before = self._counters()
-        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eagle31-vllm") as pool:
-            done = list(pool.map(one, range(len(prompts))))
-        pooled = self._counters() - before
+        def one(i: int) -> Completion:
+            with sampler.request() if sampler else contextlib.nullcontext():
+                return self.client.complete(list(prompts[i]), max_new_tokens, temperature, seed + i, ())
+
+        before = self._metrics()
+        with sampler or contextlib.nullcontext():
+            with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eagle31-vllm") as pool:
+                done = list(pool.map(one, range(len(prompts))))
+        after = self._metrics()
+        pooled = after.spec - before.spec
         self._check_depth(next((d.spec_metrics for d in done if d.spec_metrics), None), pooled, depth)
         per_request = all("per_step_accepted" in (d.spec_metrics or {}) for d in done)
         results = [SpecResult(d.tokens, [], [int(a) for a in d.spec_metrics["per_step_accepted"]] if per_request else [],
                               depth) for d in done]
         counters = {"rounds": pooled.drafts, "accepted": pooled.accepted_tokens,
-                    "accepted_per_position": (pooled.accepted_per_position + [0] * depth)[:depth]}
-        return ConcurrentRun(results, counters, per_request)
+                    "accepted_per_position": (pooled.accepted_per_position + [0] * depth)[:depth],
+                    **engine_deltas(before, after)}
+        batching = batch_figures(sampler, min(concurrency, len(prompts))) if sampler else None
+        return ConcurrentRun(results, counters, per_request, batching)
+
+    def _metrics(self) -> EngineMetrics:
+        metrics = self.client.metrics()
+        if metrics.spec is None:
+            raise UserError(f"vLLM server at {self.url} reports no speculative decoding counters on /metrics: start "
+                            "it with --speculative-config (see the bundle's README.md)")
+        return metrics
 
     def _check_depth(self, spec: dict | None, counts: SpecCounters, depth: int) -> None:
         spec = spec or {}
@@ -115,6 +137,40 @@ class VllmSpeculator(Speculator):
         return steps
 
 
+BATCH_SOURCE = "/metrics samples of vllm:num_requests_running"
+
+
+def batch_figures(sampler: RunningSampler, level: int) -> BatchFigures | None:
+    """The batch sizes a level's samples saw (parity/concurrency.py fails a level whose largest is 1).
+    `mean`: over samples with a request running; `steady_mean`: over samples read while this client
+    had all `level` requests in flight. None where the server has no such gauge or /metrics failed."""
+    if sampler.missing or sampler.error or not sampler.samples:
+        return None
+    busy = [s.running for s in sampler.samples if s.running >= 1]
+    steady = [s.running for s in sampler.samples if s.running >= 1 and min(s.in_flight) >= level]
+    histogram: dict[int, int] = {}
+    for size in busy:
+        histogram[size] = histogram.get(size, 0) + 1
+    return BatchFigures(source=BATCH_SOURCE, histogram=histogram, largest=max(busy, default=0),
+                        mean=sum(busy) / len(busy) if busy else 0.0,
+                        steady_mean=sum(steady) / len(steady) if steady else None, steady_calls=len(steady),
+                        in_flight=sampler.most_in_flight)
+
+
+def engine_deltas(before: EngineMetrics, after: EngineMetrics) -> dict:
+    """What else the engine counted over a run: tokens looked up in and served from its prefix cache,
+    engine steps (rounds / engine_steps: requests verified per step), and whether (and in blocks of
+    how many tokens) it caches prefixes at all (vllm:cache_config_info); None where it does not say."""
+    delta = lambda a, b: None if a is None or b is None else a - b  # noqa: E731
+    info = after.cache_info
+    enabled = {"True": True, "False": False}.get(info.get("enable_prefix_caching", ""))
+    block = info.get("block_size", "")
+    return {"prefix_cache_hits": delta(after.prefix_cache_hits, before.prefix_cache_hits),
+            "prefix_cache_queries": delta(after.prefix_cache_queries, before.prefix_cache_queries),
+            "engine_steps": delta(after.steps, before.steps),
+            "prefix_caching": enabled, "cache_block_size": int(block) if block.isdigit() else None}
+
+
 def accepted_from_counts(counts: SpecCounters, depth: int) -> list[int]:
     """Accepted counts per round, largest first, from the per-position counters: a chain accepts a
     prefix, so exactly c[j-1] - c[j] rounds accepted j drafts (c[-1] = all rounds)."""
@@ -136,9 +192,11 @@ def _shutdown(server: LocalServer | None, cleanup: Path | None) -> None:
 def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir: Path | None = None) -> VllmSpeculator:
     if options.chain:
         raise UserError("--chain applies to --runtime onnxruntime")
-    exact = options.dtype in (torch.float32, torch.float64)
     if source.url:
-        return VllmSpeculator(VllmClient(source.url), exact)
+        client = VllmClient(source.url)
+        served = served_dtype(client, options.dtype)
+        return VllmSpeculator(client, served["dtype"] == "float32", runtime_dtype=served)
+    exact = options.dtype in (torch.float32, torch.float64)
     if source.capture is not None:
         raise UserError("--runtime vllm runs the target itself: give --target (or a bundle), not --capture")
     install = find_vllm(options.vllm)
@@ -153,7 +211,40 @@ def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir: Path
         if own is not None:
             shutil.rmtree(own, ignore_errors=True)
         raise
-    return VllmSpeculator(VllmClient(server.url), exact, server, own)
+    dtype = VLLM_DTYPES[options.dtype]  # engine_args refused any other
+    how = f"the local engine this run started with --dtype {dtype}"
+    return VllmSpeculator(VllmClient(server.url), exact, server, own, {"dtype": dtype, "basis": "set", "how": how})
+
+
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # vLLM's names -> --runtime-dtype's
+
+
+def served_dtype(client: VllmClient, stated: torch.dtype | None) -> dict:
+    """What a running server computes in: observed where it tells (its /server_info), else as stated
+    with --runtime-dtype (`stated` None: not given, refused then). A statement the server contradicts,
+    its dtype or a KV cache of another dtype (vllm:cache_config_info cache_dtype), is refused."""
+    said = None if stated is None else VLLM_DTYPES.get(stated)
+    if stated is not None and said is None:
+        raise UserError(f"--runtime vllm computes in {', '.join(DTYPE_NAMES.values())}; not {stated}")
+    observed = client.served_dtype()
+    flag = lambda name: DTYPE_NAMES.get(name, name)  # noqa: E731
+    if observed is not None and said is not None and observed != said:
+        raise UserError(f"--runtime-dtype {flag(said)}: the vLLM server at {client.url} computes in {observed} (its "
+                        f"/server_info, model_config.dtype); pass --runtime-dtype {flag(observed)}, or none")
+    dtype = observed or said
+    if dtype is None:
+        raise UserError(f"--url {client.url}: the vLLM server does not say what dtype it computes in (its /server_info "
+                        "answers only with VLLM_SERVER_DEV_MODE=1); pass --runtime-dtype fp32 or bf16, as it was "
+                        "started (--dtype)")
+    kv = client.metrics().cache_info.get("cache_dtype", "auto")
+    if dtype == "float32" and kv not in ("auto", "float32"):
+        raise UserError(f"--runtime-dtype fp32: the vLLM server at {client.url} keeps its KV cache in {kv} "
+                        "(vllm:cache_config_info cache_dtype), so it does not compute exactly in fp32; pass "
+                        "--runtime-dtype bf16")
+    if observed is not None:
+        return {"dtype": dtype, "basis": "observed", "how": f"the server's /server_info (model_config.dtype: {dtype})"}
+    return {"dtype": dtype, "basis": "stated", "how": f"stated with --runtime-dtype {flag(dtype)}, not observed: the "
+            "server does not tell (its /server_info answers only with VLLM_SERVER_DEV_MODE=1)"}
 
 
 def _bundle(source: PairSource, workdir: Path, depth: int | None) -> Path:
