@@ -137,7 +137,8 @@ def test_parity_exact_on_vllm(vllm, tmp_path, drafter, layout):
     """With 4 and 16 requests in flight too (16 prompts), where the layout is the one users serve:
     every prompt's tokens and rounds (from vLLM's per-request metrics) equal C = 1's and the
     reference's, and the engine's pooled /metrics counters add up to them. The engine really ran
-    them together: its vllm:num_requests_running gauge, sampled while each level ran, reached 4 at
+    them together: its vllm:num_requests_running gauge, sampled while each level ran (the first C requests
+    leave together, runtime/vllm_runtime.py), reached 4 at
     C = 4 and at least 8 at C = 16 (tests/test_vllm_serving.py: an engine that runs one at a time)."""
     levels = (1, 4, 16) if layout == ("auto" if drafter == DRAFTER3 else "speculators") else (1,)
     report = parity(vllm, bundle_of(tmp_path, drafter, layout), drafter, concurrency=levels)

@@ -22,6 +22,7 @@ import json
 import re
 import shutil
 import tempfile
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -77,9 +78,14 @@ class VllmSpeculator(Speculator):
         engine's `vllm:num_requests_running` is sampled throughout (`batching`): how many requests
         its steps really ran together."""
         sampler = RunningSampler(self.client) if concurrency > 1 else None
+        # the first `concurrency` requests leave together, as a serving front end's burst does: on a busy
+        # machine, threads started one by one let short requests finish before the last one is sent
+        opening = threading.Barrier(min(concurrency, len(prompts)))
 
         def one(i: int) -> Completion:
             with sampler.request() if sampler else contextlib.nullcontext():
+                if i < opening.parties:
+                    _wait(opening)
                 return self.client.complete(list(prompts[i]), max_new_tokens, temperature, seed + i, ())
 
         before = self._metrics()
@@ -135,6 +141,13 @@ class VllmSpeculator(Speculator):
                             f"(per-request {sorted(steps, reverse=True)} vs counters {from_counts}); is another "
                             "client using it? parity sends one request at a time")
         return steps
+
+
+def _wait(barrier: threading.Barrier) -> None:
+    try:
+        barrier.wait(timeout=60)
+    except threading.BrokenBarrierError:  # a thread that never came: send anyway, the figures will show it
+        pass
 
 
 BATCH_SOURCE = "/metrics samples of vllm:num_requests_running"
