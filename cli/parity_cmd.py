@@ -43,6 +43,13 @@ def parity(
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, callback=finite_number),
     seed: int = typer.Option(0, "--seed", min=0, max=SEED_MAX),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, callback=finite_number,
+                                help="Sampling: keep the smallest set of tokens holding this much of the mass."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Sampling: keep the K most likely tokens (0: all)."),
+    sampling_rule: Optional[str] = typer.Option(None, "--sampling-rule", help="Sampling: rejection (drafts sampled, "
+                                                "accepted with min(1, p/q); our runtimes' default) or greedy-drafts "
+                                                "(vLLM's: argmax drafts accepted with p_target, checked exactly and "
+                                                "statistically along the runtime's output); vllm: greedy-drafts."),
     act_quant: bool = typer.Option(False, "--act-quant/--no-act-quant",
                                    help="NVFP4 targets: emulate W4A4 (inputs NVFP4-quantized too) on both sides."),
     mode: Optional[str] = typer.Option(None, "--mode", help="replay (greedy default: one reference target forward "
@@ -84,7 +91,8 @@ def parity(
                               phases, mode, capture=capture, act_quant=act_quant, device=device,
                               runtime_options={"dtype": parse_dtype(runtime_dtype) if runtime_dtype else None,
                                                **vllm_options(vllm, port, engine_timeout)},
-                              concurrency=levels, repeat=repeat)
+                              concurrency=levels, repeat=repeat, top_p=top_p, top_k=top_k,
+                              sampling_rule=sampling_rule)
         if out is not None:
             with phases.phase("write"):  # report.json holds the timings up to here; stdout's also this one
                 write_report(report, out, force=force, inputs=inputs)

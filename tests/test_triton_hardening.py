@@ -12,12 +12,14 @@ server (nvidia-pytriton's tritonserver on 127.0.0.1), one server for the whole m
   not claimed here.
 """
 
+import ast
 import json
 import queue
 import random
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,12 +35,12 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from eagle31_export.errors import UserError  # noqa: E402
 from eagle31_export.export.trtllm import export_trtllm  # noqa: E402
 from eagle31_export.reference.pair import load_pair  # noqa: E402
-from eagle31_export.reference.speculate import speculate  # noqa: E402
+from eagle31_export.reference.speculate import Sampling, speculate  # noqa: E402
 from eagle31_export.runtime.triton_client import stream  # noqa: E402
-from eagle31_export.runtime.triton_repo import GENERATE_MODEL, SPECULATE_MODEL, export_triton  # noqa: E402
+from eagle31_export.runtime.triton_repo import CPU_INPUTS, GENERATE_MODEL, SPECULATE_MODEL, export_triton  # noqa: E402
 from eagle31_export.runtime.triton_server import TritonServer, free_ports  # noqa: E402
 from eagle31_export.runtime.triton_service import (  # noqa: E402
-    INTERNAL_ERROR, RequestError, SpeculationService, client_error)
+    INTERNAL_ERROR, Limits, RequestError, SpeculationService, client_error)
 from eagle31_export.runtime.triton_status import tag_status, untag_status  # noqa: E402
 from test_triton_server import VOCAB, install_trtllm_stand_in, make_bigram_pair  # noqa: E402
 
@@ -122,6 +124,13 @@ def text(value: bytes):
     return ("text_input", np.asarray([value], dtype=np.object_), "BYTES")
 
 
+def rule(value: bytes):
+    return ("sampling_rule", np.asarray([value], dtype=np.object_), "BYTES")
+
+
+HOT = ("temperature", np.asarray([0.7], np.float32), "FP32")
+
+
 MAX4 = i32("max_tokens", 4)
 # (case, inputs, a word the one-line answer must contain)
 MALFORMED = [
@@ -148,6 +157,11 @@ MALFORMED = [
      "stop_token_ids"),
     ("text_input not UTF-8", [text(b"\xff\xfe w5"), MAX4], "UTF-8"),
     ("text_input empty", [text(b""), MAX4], "empty"),
+    ("unknown sampling_rule", [ids(5), MAX4, HOT, rule(b"nucleus")], "sampling_rule"),
+    ("sampling_rule not UTF-8", [ids(5), MAX4, HOT, rule(b"\xff")], "UTF-8"),
+    ("top_p 0", [ids(5), MAX4, HOT, ("top_p", np.asarray([0.0], np.float32), "FP32")], "top_p"),
+    ("top_p above 1", [ids(5), MAX4, HOT, ("top_p", np.asarray([1.5], np.float32), "FP32")], "top_p"),
+    ("top_k negative", [ids(5), MAX4, HOT, i32("top_k", -1)], "top_k"),
     # rejected by Triton itself against config.pbtxt, before the model sees them
     ("input_ids as FP32", [("input_ids", np.asarray([5.0], np.float32), "FP32"), MAX4], "data-type"),
     ("max_tokens with two values", [ids(5), i32("max_tokens", 4, 5)], "shape"),
@@ -279,8 +293,43 @@ def test_the_position_limit_is_what_the_graphs_hold(repos):
 
 def test_cpu_readme_documents_the_checks_and_status_codes(repos):
     readme = (repos["cpu"] / "README.md").read_text()
-    for fact in ("INVALID_ARG", "HTTP 400", "HTTP 500", "0..vocab_size-1", "num_draft_tokens` from 1", "finite"):
+    for fact in ("INVALID_ARG", "HTTP 400", "HTTP 500", "0..vocab_size-1", "num_draft_tokens` from 1", "finite",
+                 "`top_p` in (0, 1]", "`top_k` >= 0", "`greedy-drafts`", "default 0 = all"):
         assert fact in readme, fact
+
+
+@pytest.mark.parametrize("inputs, word", [
+    ({"sampling_rule": np.asarray([b"nucleus"], dtype=np.object_)}, "sampling_rule must be one of"),
+    ({"sampling_rule": np.asarray([b"a", b"b"], dtype=np.object_)}, "exactly one string"),
+    ({"top_p": np.asarray([0.0], np.float32)}, "top_p must be in (0, 1]"),
+    ({"top_p": np.asarray([np.nan], np.float32)}, "top_p must be in (0, 1]"),
+    ({"top_p": np.asarray([1.01], np.float32)}, "top_p must be in (0, 1]"),
+    ({"top_k": np.asarray([-1], np.int32)}, "top_k must be >= 0"),
+    ({"top_k": np.asarray([1.5], np.float32)}, "top_k must be an integer"),
+])
+def test_bad_sampling_settings_are_refused_in_one_line(inputs, word):
+    """Parsed without a server (or a pair): the sampling settings are checked with the rest."""
+    service = SpeculationService(None, limits=Limits(vocab_size=VOCAB))
+    base = {"input_ids": np.asarray([5, 6]), "temperature": np.asarray([0.7], np.float32)}
+    with pytest.raises(RequestError) as refused:
+        service.parse({**base, **inputs})
+    assert word in str(refused.value) and len(str(refused.value).splitlines()) == 1, refused.value
+
+
+def test_sampling_settings_reach_the_speculator():
+    """What parse reads is what the speculator is asked to sample by: a `Sampling` when sampling, a bare
+    temperature at 0; the model forwards every input config.pbtxt declares."""
+    service = SpeculationService(None, limits=Limits(vocab_size=VOCAB))
+    parsed = service.parse({"input_ids": np.asarray([5]), "temperature": np.asarray([0.5], np.float32),
+                            "top_p": np.asarray([0.75], np.float32), "top_k": np.asarray([20], np.int32),
+                            "sampling_rule": np.asarray([b"greedy-drafts"], dtype=np.object_)})
+    assert parsed.sampling == Sampling(0.5, 0.75, 20, "greedy-drafts")
+    plain = service.parse({"input_ids": np.asarray([5]), "temperature": np.asarray([0.5], np.float32)})
+    assert plain.sampling == Sampling(0.5) and service.parse({"input_ids": np.asarray([5])}).sampling == 0.0
+    source = (Path(__file__).parents[1] / "eagle31_export" / "runtime" / "triton_models" / "cpu_model.py").read_text()
+    forwarded = next(ast.literal_eval(node.value) for node in ast.parse(source).body
+                     if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "INPUTS")
+    assert set(forwarded) == {name for name, *_ in CPU_INPUTS} | {"streaming"}
 
 
 def _trtllm_stream(server, model, prompt, extra=(), cancel_after=None):

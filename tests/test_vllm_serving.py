@@ -3,7 +3,7 @@ apart: bf16, one sequence at a time (`--max-num-seqs 1`), vLLM's development end
 (VLLM_SERVER_DEV_MODE=1, so its /server_info says what dtype it computes in).
 
 - Batching is measured, not assumed: with 4 requests in flight this engine still runs one, and parity
-  fails with "the runtime did not batch" (tests/test_vllm_engine.py: a default engine reaches 4 and 16).
+  fails with "the runtime did not batch" (tests/test_vllm_engine.py: a default engine verifies several requests a step).
 - --url reads the served dtype where the server tells: bf16 here, so the comparison is the half
   precision one; a --runtime-dtype the server contradicts is refused in one line.
 
@@ -60,3 +60,15 @@ def test_an_engine_that_runs_one_request_at_a_time_did_not_batch(vllm, serial_bf
         report.failures
     assert all(not row.untied for row in report.rows)  # half-precision differences: ties, not drafter bugs
     assert "runtime dtype: bfloat16, observed: the server's /server_info" in markdown(report)
+
+
+def test_a_server_that_says_how_it_drafts_needs_no_stated_rule(vllm, serial_bf16):
+    """/server_info carries speculative_config.draft_sample_method: greedy here (vLLM's default), so
+    sampling parity takes the rule as observed; a stated rule other than greedy-drafts is refused."""
+    report = parity(vllm, None, DRAFTER31, url=serial_bf16.url, runtime_options={"dtype": None}, temperature=0.7,
+                    max_new_tokens=16)
+    assert report.sampling.rule == "greedy-drafts" and report.sampling_rule_basis.startswith("observed")
+    assert report.sampled is not None and report.sampled.rounds > 0
+    _assert_one_line(*cli("parity", "--drafter", DRAFTER31, "--target", TARGET, "--runtime", "vllm", "--url",
+                          serial_bf16.url, "--temperature", "0.7", "--sampling-rule", "rejection"),
+                     "vLLM samples by greedy-drafts")

@@ -30,9 +30,11 @@ from eagle31_export.parity.concurrency import (
 )
 from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
 from eagle31_export.parity.evidence import inconclusive_reasons
+from eagle31_export.parity.sampling import SamplingCheck, check_sampled
+from eagle31_export.parity.symptoms import LATER_POSITIONS, POSITION_1  # noqa: F401 (re-exported)
 from eagle31_export.parity.ties import Divergence, divergences
 from eagle31_export.progress import Phases
-from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
+from eagle31_export.reference.speculate import LoopObserver, Round, Sampling, SpecResult
 from eagle31_export.reference.statistics import accepted_per_position
 from eagle31_export.runtime.registry import Speculator
 
@@ -105,6 +107,9 @@ class ParityReport:
     # why a PASS would show nothing (parity/evidence.py); said first, and the exit status says it
     inconclusive: list[str] = field(default_factory=list)
     runtime_dtype: dict | None = None  # what the runtime computes in and how that is known (vllm: set/observed/stated)
+    sampling: Sampling | None = None  # temperature > 0: what both sides sampled from, and by which rule
+    sampled: SamplingCheck | None = None  # greedy-drafts rule: (a) drafts exact and (b) acceptance law (parity/sampling.py)
+    sampling_rule_basis: str | None = None  # how the runtime's rule is known (set, observed, stated)
 
     @property
     def passed(self) -> bool:
@@ -121,6 +126,9 @@ class ParityReport:
         """Where drafts are not compared one by one, whether the accepted counts showed anything."""
         # rates are compared under sampling, and in half precision where differences are not judged as ties
         statistical = self.temperature != 0 or not (self.exact or self.ties_judged)
+        if self.sampled is not None:
+            self.inconclusive = self.sampled.inconclusive_reasons()
+            return
         if self.drafts_reported and not statistical:
             self.inconclusive = []  # every draft compared: a drafter bug shows whatever is accepted
             return
@@ -129,6 +137,11 @@ class ParityReport:
     @property
     def compared(self) -> str:
         """What the comparison covers, in words (the report says it)."""
+        if self.sampled is not None:
+            return (f"(a) every accepted token equals the reference drafter's greedy draft and every rejection's token "
+                    f"differs from it (exact; differences within the drafter's top-2 margin "
+                    f"{self.sampled.tie_gap:g} are ties, listed); (b) drafts accepted per position and tau against the "
+                    f"target's probabilities within {self.sampled.z:g} sigma (statistical); rule {self.sampled.rule}")
         if self.temperature != 0:
             return (f"per-position acceptance rates within {self.thresholds.sampling_z:g} sigma "
                     "(sampling: statistical)")
@@ -167,16 +180,14 @@ class ParityReport:
                 "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth,
                 "concurrency": [{**asdict(c), "tokens_per_second": c.tokens_per_second} for c in self.concurrency],
                 "runtime_dtype": self.runtime_dtype,
+                "sampling": None if self.sampling is None else {**self.sampling.to_json(),
+                                                                "rule_basis": self.sampling_rule_basis},
+                "sampled_check": None if self.sampled is None else self.sampled.to_json(),
                 "timings": self.timings}
 
 
 def _counts(result: SpecResult) -> list[int]:
     return accepted_per_position(result.accepted_per_step, result.depth)
-
-
-POSITION_1 = ("what the first draft step reads differs: tapped layers, fc or fc_norm (check aux layer numbering "
-              "and fc_norm), or the draft-to-target vocabulary map (d2t)")
-LATER_POSITIONS = "later drafts differ: fed-back state (pre- vs post-norm feedback, norm_output)"
 
 
 def _position_symptom(ref: SpecResult, run: SpecResult) -> str | None:
@@ -296,8 +307,11 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
                temperature: float = 0.0, seed: int = 0, exact: bool | None = None,
                thresholds: Thresholds = Thresholds(), on_prompt: Callable[[int], None] | None = None,
                mode: str | None = None, per_depth_positions: int = 8, progress=None,
-               concurrency: tuple[int, ...] = (1,), repeat: int = 0) -> ParityReport:
-    """`mode` "replay" (greedy only; the default there): the reference drafter is replayed at the
+               concurrency: tuple[int, ...] = (1,), repeat: int = 0, top_p: float = 1.0, top_k: int = 0,
+               sampling_rule: str | None = None) -> ParityReport:
+    """At `temperature` > 0 both sides sample from the target's distribution cut by `top_p` / `top_k`,
+    under `sampling_rule` (None: the runtime's own; `Speculator.sampling_rule` refuses one it does not
+    run); greedy-drafts is compared by `compare_sampled`. `mode` "replay" (greedy only; the default there): the reference drafter is replayed at the
     runtime's round boundaries with one target forward per prompt; "autoregressive": the reference
     runs its own loop (the only mode for sampling). `per_depth_positions` > 0: also measure both
     sides per draft depth at that many positions per prompt (`per_depth_sides`). `progress`: phases
@@ -306,6 +320,13 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
     (parity/concurrency.py); `repeat`: every level sent that many more times, each send against the
     level's first (`run_repeats`)."""
     phases = Phases.of(progress)
+    sampling, basis = None, None
+    if temperature != 0:
+        rule, basis = runtime.sampling_rule(sampling_rule)
+        sampling = Sampling(temperature, top_p, top_k, rule)
+        if rule == "greedy-drafts":
+            return compare_sampled(reference, runtime, prompts, depth, max_new_tokens, sampling, seed, thresholds,
+                                   phases, basis)
     mode = mode or ("replay" if temperature == 0 and hasattr(reference, "replay") else "autoregressive")
     if mode not in MODES:
         raise UserError(f"unknown parity mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -314,7 +335,7 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
     exact = runtime.exact if exact is None else exact
     check_runtime_serves(runtime, concurrency)
     report = ParityReport(runtime.name, depth, temperature, exact, thresholds, mode,
-                          drafts_reported=runtime.reports_drafts)
+                          drafts_reported=runtime.reports_drafts, sampling=sampling, sampling_rule_basis=basis)
     with phases.phase("compare", total=len(prompts)):
         runs, refs, seconds = _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
                                                temperature, seed, exact, thresholds, mode, on_prompt, phases)
@@ -433,12 +454,13 @@ def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
     for i, prompt in enumerate(prompts):
         run_logits, ref_logits = FirstDraftLogits(), FirstDraftLogits()
         start = time.perf_counter()
-        run = runtime.run(prompt, max_new_tokens, depth, temperature, seed + i, observer=run_logits)
+        run = runtime.run(prompt, max_new_tokens, depth, report.sampling or temperature, seed + i, observer=run_logits)
         seconds += time.perf_counter() - start
         if mode == "replay":
             ref, forwards = reference.replay(prompt, run, observer=ref_logits), 1
         else:
-            ref = reference.run(prompt, max_new_tokens, depth, temperature, seed + i, observer=ref_logits)
+            ref = reference.run(prompt, max_new_tokens, depth, report.sampling or temperature, seed + i,
+                                observer=ref_logits)
             forwards = 1 + len(ref.accepted_per_step)
         atol = thresholds.logits_atol if exact else thresholds.half_precision_logits_atol
         diff = _max_abs_diff(ref_logits.logits, run_logits.logits)
@@ -452,6 +474,47 @@ def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
             on_prompt(i)
         phases("compare", i + 1, len(prompts))
     return runs, refs, seconds
+
+
+def compare_sampled(reference: Speculator, runtime: Speculator, prompts: list[list[int]], depth: int,
+                    max_new_tokens: int, sampling: Sampling, seed: int, thresholds: Thresholds, phases: Phases,
+                    rule_basis: str | None = None) -> ParityReport:
+    """Sampled runs under the greedy-drafts rule: the runtime generates each prompt (seed + i) and the
+    reference is replayed along its output (parity/sampling.py: (a) drafts exact, (b) acceptance law).
+    The rows' reference side is what the target's probabilities expect along the runtime's rounds."""
+    if not hasattr(reference, "replay_sampled"):
+        raise UserError("sampling parity under the greedy-drafts rule replays a reference pair (--drafter, --target)")
+    report = ParityReport(runtime.name, depth, sampling.temperature, runtime.exact, thresholds, "sampled-replay",
+                          drafts_reported=runtime.reports_drafts, sampling=sampling, sampling_rule_basis=rule_basis)
+    gap, replays = thresholds.tie_gap(runtime.exact), []
+    with phases.phase("compare", total=len(prompts)):
+        for i, prompt in enumerate(prompts):
+            run = runtime.run(prompt, max_new_tokens, depth, sampling, seed + i)
+            replays.append(reference.replay_sampled(prompt, run, sampling))
+            one = check_sampled(replays[-1:], depth, gap, thresholds.sampling_z, sampling.rule, first_index=i)
+            report.rows.append(_sampled_row(prompt, run, one))
+            phases("compare", i + 1, len(prompts))
+    report.sampled = check_sampled(replays, depth, gap, thresholds.sampling_z, sampling.rule)
+    report.failures = report.sampled.failures()
+    report.judge_evidence()
+    report.timings = phases.as_json()
+    return report
+
+
+def _sampled_row(prompt: list[int], run: SpecResult, check: SamplingCheck) -> PromptRow:
+    """A prompt's row of a sampled check: the reference side holds the expected acceptance."""
+    drafts, rounds = check.prompts[0], max(len(run.accepted_per_step), 1)
+    exact = drafts.mismatch is None
+    return PromptRow(
+        prompt_index=drafts.prompt_index, prompt_len=len(prompt), tokens_identical=True, accepted_identical=exact,
+        drafts_identical=exact, first_divergent_round=None, tau_reference=1 + check.expected / rounds,
+        tau_runtime=run.acceptance_length, first_logits_max_abs_diff=None,
+        per_position_reference=[law.expected / rounds for law in check.positions],
+        per_position_runtime=run.per_position_acceptance, rounds_reference=len(run.accepted_per_step),
+        rounds_runtime=len(run.accepted_per_step), target_forwards_reference=1, symptom=drafts.symptom,
+        accepted_per_position_reference=[round(law.expected) for law in check.positions],
+        accepted_per_position_runtime=_counts(run), ties=drafts.ties,
+        untied=[drafts.mismatch] if drafts.mismatch else [])
 
 
 def _failures(report: ParityReport) -> list[str]:

@@ -180,7 +180,9 @@ def _judge_ties(row: ConcurrencyRow, results: list[SpecResult], judge: Judge) ->
 
 def _row_failures(row: ConcurrencyRow, base: ConcurrencyRow, exact: bool, tau_rel_tol: float) -> list[str]:
     c, out = row.concurrency, []
-    if row.batching is not None and row.prompts > 1 and row.batching["largest"] <= 1:
+    steps = (row.runtime_counters or {}).get("engine_steps")
+    batched_steps = steps is not None and 0 < steps < row.rounds  # some engine step verified two requests or more
+    if row.batching is not None and row.prompts > 1 and row.batching["largest"] <= 1 and not batched_steps:
         out.append(f"concurrency {c}: {NOT_BATCHED}: it never ran more than one request at once "
                    f"({row.batching['source']}); requests in flight were queued, not served together")
     if row.runtime_counters is not None and row.per_request:

@@ -35,7 +35,9 @@ def markdown(report: ParityReport) -> str:
         f"temperature {report.temperature}, {len(report.rows)} prompts",
         "",
         f"mode: {report.mode} (reference target forwards: "
-        f"{sum(r.target_forwards_reference for r in report.rows)} for {len(report.rows)} prompts)",
+        f"{sum(r.target_forwards_reference for r in report.rows)} for {len(report.rows)} prompts)"
+        + ("; the reference column holds what the target's probabilities expect along the runtime's rounds"
+           if report.sampled else ""),
         "",
         "| | reference | runtime |",
         "|---|---|---|",
@@ -57,6 +59,7 @@ def markdown(report: ParityReport) -> str:
                   + (f"; {worst.symptom}" if worst.symptom else "") + ")", ""]
     if report.failures:
         lines += ["## Failures", ""] + [f"- {f}" for f in report.failures] + [""]
+    lines += sampled_lines(report)
     lines += tie_lines(report)
     lines += per_depth_lines(report)
     lines += concurrency_lines(report.concurrency, report.runtime, report.tau("reference"))
@@ -64,8 +67,38 @@ def markdown(report: ParityReport) -> str:
     lines += ["Thresholds: " + ", ".join(f"{k}={v}" for k, v in report.to_json()["thresholds"].items()),
               "", "Plots: `acceptance_by_position.png`, `tau_per_prompt.png`, `tau_vs_context.png`"
               + (", `per_depth.png`" if report.per_depth else "")
-              + (", `tau_by_concurrency.png`" if report.concurrency else "") + ".", ""]
+              + (", `tau_by_concurrency.png`" if report.concurrency else "")
+              + (", `sampled_acceptance.png`" if report.sampled else "") + ".", ""]
     return "\n".join(lines)
+
+
+def sampled_lines(report: ParityReport) -> list[str]:
+    """The greedy-drafts check (parity/sampling.py): (a) the drafts, (b) acceptance against its law."""
+    check, sampling = report.sampled, report.sampling
+    if check is None:
+        return []
+    observed, expected, half = check.tau
+    lines = [f"## Sampling: {sampling.describe()}", "",
+             f"rule: {sampling.to_json()['rule_text']} ({report.sampling_rule_basis})", "",
+             f"(a) drafts: {check.accepted_checked} accepted tokens and {check.rejections_checked} rejections checked "
+             f"over {check.rounds} rounds; " + ("every one as the reference drafter drafts" if check.drafts_exact else
+                                               f"at fault: {check.at_fault}"), "",
+             f"(b) acceptance: tau {observed:.3f} observed vs {expected:.3f} expected from the target's probabilities "
+             f"(95 %: +-{half:.3f}; z {_z(check.tau_z)})", "",
+             "| draft position | rounds reaching it | accepted | expected | 95 % interval | z |", "|---|---|---|---|---|---|"]
+    for law in check.positions:
+        low, high = law.interval()
+        lines.append(f"| {law.position} | {law.reached} | {law.accepted} | {law.expected:.1f} | {low:.1f} .. {high:.1f} "
+                     f"| {_z(law.z)} |")
+    need = check.prompts_to_see()
+    if need is not None:
+        lines += ["", f"(b) would see a change of 0.1 in tau (95 % confidence, 80 % power) with about {need} prompts "
+                      f"like these ({len(check.prompts)} ran)."]
+    return lines + [""]
+
+
+def _z(z: float | None) -> str:
+    return "-" if z is None else f"{z:+.1f}"
 
 
 def dtype_lines(report: ParityReport) -> list[str]:
@@ -205,7 +238,28 @@ def plots(report: ParityReport, folder: Path) -> list[Path]:
     if report.concurrency:
         paths.append(concurrency_plot(report.concurrency, report.runtime, report.tau("reference"),
                                       folder / "tau_by_concurrency.png", _save))
+    if report.sampled is not None:
+        paths.append(_sampled_plot(report, folder / "sampled_acceptance.png"))
     return paths
+
+
+def _sampled_plot(report: ParityReport, path: Path) -> Path:
+    """Accepted drafts per position: observed against the target's expectation with its 95 % interval."""
+    import matplotlib.pyplot as plt
+
+    laws = report.sampled.positions
+    x = [law.position for law in laws]
+    rate = lambda n, law: n / law.reached if law.reached else 0.0  # noqa: E731
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.errorbar(x, [rate(law.expected, law) for law in laws],
+                yerr=[[rate(law.expected - law.interval()[0], law) for law in laws],
+                      [rate(law.interval()[1] - law.expected, law) for law in laws]],
+                fmt="o-", capsize=4, label="expected (target probabilities, 95 %)")
+    ax.plot(x, [rate(law.accepted, law) for law in laws], "x--", label=f"{report.runtime} observed")
+    ax.set(xlabel="draft position", ylabel="acceptance rate among rounds reaching it", ylim=(0, 1.05), xticks=x,
+           title=f"Sampled acceptance ({report.sampling.describe()})")
+    ax.legend()
+    return _save(fig, path)
 
 
 def _per_depth_plot(report: ParityReport, path: Path) -> Path:

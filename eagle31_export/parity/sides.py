@@ -25,6 +25,7 @@ from eagle31_export.parity.compare import MODES, ParityReport, Thresholds, run_p
 from eagle31_export.parity.concurrency import check_repeat
 from eagle31_export.parity.prompts import bundle_sources, capture_prompts, default_prompts  # noqa: F401
 from eagle31_export.progress import Phases
+from eagle31_export.reference.speculate import Sampling
 from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator, resolve_device, runtime_named
 
 
@@ -51,8 +52,11 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
                  prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                  progress=None, mode: str | None = None, capture: Path | None = None,
                  act_quant: bool = False, device: str = "cpu", runtime_options: dict | None = None,
-                 concurrency: tuple[int, ...] = (1,), repeat: int = 0) -> ParityReport:
+                 concurrency: tuple[int, ...] = (1,), repeat: int = 0, top_p: float = 1.0, top_k: int = 0,
+                 sampling_rule: str | None = None) -> ParityReport:
     """The whole parity check: both sides from the registry, the prompts, the comparison.
+    At `temperature` > 0: `top_p`, `top_k` and `sampling_rule` (reference/speculate.py: SAMPLING_RULES;
+    None: the runtime's own) say what both sides sample by.
     `progress(phase, done, total)` hears of each phase (load_reference, load_runtime, compare per
     prompt, per_depth; eagle31_export/progress.py), whose seconds land in `report.timings`. With
     `capture` (instead of `target`) both sides read the target's outputs from it and the prompts are
@@ -66,6 +70,7 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     compared with the first (with the default prompts, each then opens with the same
     REPEAT_OPENING tokens, so that an engine's prefix cache has whole blocks to serve)."""
     runtime_named(runtime)  # an unknown name fails before anything loads
+    sampling = _sampling_args(temperature, top_p, top_k, sampling_rule)
     resolve_device(device, runtime)  # and so does a device either side cannot use
     check_repeat(repeat)
     runtime_options = dict(runtime_options or {})
@@ -101,7 +106,16 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
                           nvfp4_semantics=runtime_named(runtime).nvfp4_semantics)
     return _run_sides(runtime, PairSource.of(drafter, target), PairSource.of(drafter, target, bundle, url), options,
                       prompts, depth, max_new_tokens, temperature, seed, mode, phases, runtime_options, concurrency,
-                      repeat)
+                      repeat, sampling)
+
+
+def _sampling_args(temperature: float, top_p: float, top_k: int, rule: str | None) -> dict:
+    """What run_parity samples by; refused in one line where it makes no sense."""
+    if temperature == 0 and (top_p != 1 or top_k or rule):
+        raise UserError("--top-p, --top-k and --sampling-rule apply to sampling: give --temperature above 0")
+    if temperature:
+        Sampling(temperature, top_p, top_k, rule or "rejection")  # refuses an unknown rule or a bad cut
+    return {"top_p": top_p, "top_k": top_k, "sampling_rule": rule}
 
 
 # --repeat with the default prompts: each opens with the same seeded tokens, two of the prefix-cache
@@ -145,7 +159,7 @@ def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, 
 def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairSource, options: LoadOptions,
                prompts: list[list[int]], depth: int, max_new_tokens: int, temperature: float, seed: int,
                mode: str | None, phases: Phases, runtime_options: dict | None = None,
-               concurrency: tuple[int, ...] = (1,), repeat: int = 0) -> ParityReport:
+               concurrency: tuple[int, ...] = (1,), repeat: int = 0, sampling: dict | None = None) -> ParityReport:
     """Greedy replay (the default) holds one side at a time, so a target that fits the machine once is
     enough; autoregressive and sampling parity run both sides prompt by prompt."""
     if mode not in (None, *MODES):
@@ -174,6 +188,6 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
             with other:  # a server the runtime started stops whatever happens
                 report = run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
                                     mode=mode, thresholds=thresholds, progress=phases, concurrency=concurrency,
-                                    repeat=repeat)
+                                    repeat=repeat, **(sampling or {}))
         report.runtime_dtype = seen.get("runtime_dtype")
         return report

@@ -12,12 +12,15 @@ forward (they are what the runtime verified), so every round's drafts can be che
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from eagle31_export.reference.speculate import (
     DrafterBackend,
     LoopObserver,
     Round,
+    Sampling,
     SpecResult,
     TargetBackend,
     _draft_steps,
@@ -103,3 +106,69 @@ def _accepted(drafts: list[int], seq: list[int], greedy: list[int], m: int) -> i
         if m + 1 + i >= len(seq) or seq[m + 1 + i] != draft:
             break
     return accepted
+
+
+@dataclass
+class SampledRound:
+    """One round of a sampled run under the greedy-drafts rule, with what the reference says of it:
+    its greedy drafts at the round's start (and the drafter's top-2 margin at each step), and
+    `p_drafts[i]`, the target's probability of draft i + 1 under the run's sampling, for every draft
+    position the run's own sequence reaches along the reference's drafts (None past it)."""
+
+    index: int
+    start: int  # position of the newest token when the round began
+    accepted: int  # the run's
+    committed: list[int]  # the run's tokens this round (accepted drafts, then the recovered or bonus token)
+    drafts: list[int]
+    margins: list[float]
+    p_drafts: list[float | None]
+    # per reached position, the target's largest probability of any other token (None past them): how
+    # likely a token sampled with some other draft masked out is to be this draft, at most
+    p_rivals: list[float | None]
+
+
+@torch.no_grad()
+def replay_sampled(target: TargetBackend, drafter: DrafterBackend, prompt: list[int], run: SpecResult,
+                   sampling: Sampling) -> list[SampledRound]:
+    """The reference pair along a sampled run's own sequence, with one target forward. Under the
+    greedy-drafts rule the drafts at each round's start are determined by the tokens before it, and
+    each draft the run reached was accepted with probability p_target(draft) on the same prefix: the
+    target's distribution after the round's start and the drafts before it, which the run's tokens
+    are wherever it accepted them."""
+    seq = list(prompt) + list(run.tokens)
+    target.reset()
+    logits, taps = target.forward(torch.tensor([seq]))
+    sampler, vocab = _Sampler(0.0, 0), logits.shape[-1]
+    drafter.reset()
+    rounds, m = [], len(prompt)
+    for index, accepted in enumerate(run.accepted_per_step):
+        committed = drafter.length
+        ids, positions = torch.tensor([seq[committed + 1: m + 1]]), torch.arange(committed, m).unsqueeze(0)
+        margins: list[float] = []
+        drafts, _, _ = _draft_steps(drafter, ids, positions, taps[:, committed:m], m, run.depth, sampler, vocab,
+                                    margins)
+        drafter.truncate(m)
+        tokens = seq[m + 1: m + 2 + accepted]
+        rounds.append(SampledRound(index, m, accepted, tokens, drafts, margins,
+                                   *_draft_probabilities(logits[0], seq, m, drafts, accepted, sampling)))
+        m += accepted + 1
+    return rounds
+
+
+def _draft_probabilities(logits: torch.Tensor, seq: list[int], m: int, drafts: list[int], accepted: int,
+                         sampling: Sampling) -> tuple[list[float | None], list[float | None]]:
+    """(p_target(draft i + 1), the largest p_target of another token) for the positions the round reached
+    (i <= accepted) whose prefix is on `seq`: the logits at m + i read seq up to m + i, which must hold
+    the drafts before i."""
+    out: list[float | None] = [None] * len(drafts)
+    rivals: list[float | None] = [None] * len(drafts)
+    reached = [i for i in range(min(accepted + 1, len(drafts)))
+               if m + i < len(seq) and seq[m + 1: m + 1 + i] == drafts[:i]]
+    if reached:
+        probs = sampling.probs(logits[[m + i for i in reached]])
+        for row, i in enumerate(reached):
+            out[i] = float(probs[row, drafts[i]])
+            others = probs[row].clone()
+            others[drafts[i]] = 0
+            rivals[i] = float(others.max())
+    return out, rivals

@@ -174,15 +174,71 @@ class SpecResult:
         }
 
 
-class _Sampler:
-    """Greedy at temperature 0, else seeded sampling with speculative rejection."""
+# How a sampled round drafts, accepts and recovers; the report names the rule it compared.
+SAMPLING_RULES = {
+    "rejection": "drafts sampled from the drafter's distribution q, each accepted with probability min(1, p/q), "
+                 "a rejected one resampled from max(0, p - q)",
+    # vLLM 0.32 without draft probabilities (v1/spec_decode/llm_base_proposer.py, v1/sample/rejection_sampler.py):
+    # this is the rule above with q a point mass on the argmax, so it is lossless too
+    "greedy-drafts": "drafts are the drafter's argmax, each accepted with probability p_target(d), a rejected one "
+                     "resampled from the target distribution with d masked out (vLLM's rule)",
+}
 
-    def __init__(self, temperature: float, seed: int):
-        self.temperature = temperature
+
+@dataclass(frozen=True)
+class Sampling:
+    """What a sampled run draws from: the target's logits over `temperature`, cut to the `top_k` largest
+    (0: all) and to the smallest set holding `top_p` of the mass (vLLM's order and ties:
+    v1/sample/ops/topk_topp_sampler.py), and the speculation `rule` (SAMPLING_RULES)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    rule: str = "rejection"
+
+    def __post_init__(self):
+        if self.rule not in SAMPLING_RULES:
+            raise UserError(f"unknown sampling rule {self.rule!r}; choose one of {', '.join(SAMPLING_RULES)}")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise UserError(f"top_p must be in (0, 1] and top_k >= 0 (got {self.top_p}, {self.top_k})")
+
+    @classmethod
+    def of(cls, value: "float | Sampling") -> "Sampling":
+        """A bare temperature is the default rule without top-p / top-k."""
+        return value if isinstance(value, Sampling) else cls(float(value))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution a token is sampled from, in fp64, over the last dimension."""
+        scaled = logits.double() / self.temperature
+        if self.top_k and self.top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, self.top_k, dim=-1).values[..., -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if self.top_p < 1:
+            ordered, order = scaled.sort(dim=-1)
+            below = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= 1 - self.top_p
+            below[..., -1] = False  # the most likely token always stays
+            scaled = scaled.scatter(-1, order, ordered.masked_fill(below, float("-inf")))
+        return torch.softmax(scaled, dim=-1)
+
+    def describe(self) -> str:
+        cuts = [f"top_p {self.top_p:g}"] * (self.top_p < 1) + [f"top_k {self.top_k}"] * bool(self.top_k)
+        return f"temperature {self.temperature:g}" + "".join(f", {c}" for c in cuts) + f", rule {self.rule}"
+
+    def to_json(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "rule": self.rule,
+                "rule_text": SAMPLING_RULES[self.rule]}
+
+
+class _Sampler:
+    """Greedy at temperature 0, else seeded sampling with speculative rejection under `sampling.rule`."""
+
+    def __init__(self, temperature: "float | Sampling", seed: int):
+        self.sampling = Sampling.of(temperature)
+        self.temperature = self.sampling.temperature
         self.gen = torch.Generator().manual_seed(seed)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logits.double() / self.temperature, dim=-1)
+        return self.sampling.probs(logits)
 
     def pick(self, logits: torch.Tensor) -> int:
         if self.temperature == 0:
@@ -191,11 +247,15 @@ class _Sampler:
 
     def draft(self, draft_logits: torch.Tensor, drafter: DrafterBackend, vocab: int) -> tuple[int, torch.Tensor | None]:
         """A draft token as a target id, and the drafter's distribution over the target vocab."""
-        d = self.pick(draft_logits)
+        greedy = self.temperature == 0 or self.sampling.rule == "greedy-drafts"
+        d = int(torch.argmax(draft_logits)) if greedy else self.pick(draft_logits)
         target_id = int(drafter.draft_to_target(torch.tensor([d]))[0])
         if self.temperature == 0:
             return target_id, None
         q = torch.zeros(vocab, dtype=torch.float64)
+        if greedy:  # a point mass: accepted with p(d), recovered from p with d masked out
+            q[target_id] = 1.0
+            return target_id, q
         ids = drafter.draft_to_target(torch.arange(draft_logits.shape[-1]))
         q[ids] = self.probs(draft_logits)
         return target_id, q

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
-from eagle31_export.reference.replay import replay_greedy
-from eagle31_export.reference.speculate import DrafterBackend, LoopObserver, SpecResult, TargetBackend, speculate
+from eagle31_export.reference.replay import SampledRound, replay_greedy, replay_sampled
+from eagle31_export.reference.speculate import (
+    DrafterBackend, LoopObserver, Sampling, SpecResult, TargetBackend, speculate,
+)
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,17 @@ class Speculator:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run(self, prompt_ids: list[int], max_new_tokens: int, depth: int, temperature: float = 0.0, seed: int = 0,
-            stop_ids: tuple[int, ...] = (), observer: LoopObserver | None = None) -> SpecResult:
+    def run(self, prompt_ids: list[int], max_new_tokens: int, depth: int, temperature: float | Sampling = 0.0,
+            seed: int = 0, stop_ids: tuple[int, ...] = (), observer: LoopObserver | None = None) -> SpecResult:
+        """`temperature`: a bare temperature, or a `Sampling` (top-p, top-k, the rule) to sample by."""
         raise NotImplementedError
+
+    def sampling_rule(self, requested: str | None) -> tuple[str, str]:
+        """(the rule this runtime samples by, how that is known) for a run at temperature > 0; `requested`
+        None: its own. Our loop runs every rule of SAMPLING_RULES, the default one unless asked."""
+        rule = requested or "rejection"
+        Sampling(1.0, rule=rule)  # an unknown name is refused
+        return rule, f"set: this run's own loop samples by {rule}"
 
     def run_concurrently(self, prompts: list[list[int]], max_new_tokens: int, depth: int, concurrency: int,
                          temperature: float = 0.0, seed: int = 0) -> "ConcurrentRun":
@@ -139,3 +149,8 @@ class LoopSpeculator(Speculator):
         """This pair's drafts at another greedy run's round boundaries, with one target forward."""
         with self._turn:
             return replay_greedy(self.target, self.drafter, list(prompt_ids), run, observer)
+
+    def replay_sampled(self, prompt_ids: list[int], run: SpecResult, sampling: Sampling) -> list[SampledRound]:
+        """This pair along a sampled greedy-drafts run: its drafts and the target's probability of each."""
+        with self._turn:
+            return replay_sampled(self.target, self.drafter, list(prompt_ids), run, sampling)

@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from eagle31_export.errors import UserError
-from eagle31_export.reference.speculate import SpecResult, replay_rounds
+from eagle31_export.reference.speculate import Sampling, SpecResult, replay_rounds
 from eagle31_export.runtime.batching import BatchedCall, batch_figures
 from eagle31_export.runtime.contract import ConcurrentRun, LoadOptions, PairSource, Speculator
 from eagle31_export.runtime.triton_names import GENERATE_MODEL, SPECULATE_MODEL
@@ -52,7 +52,10 @@ class Generation:
 
 
 def _inputs(module, prompt: list[int] | str, max_tokens: int, depth: int | None, streaming: bool | None,
-            temperature: float = 0.0, seed: int = 0):
+            temperature: float | Sampling = 0.0, seed: int = 0):
+    """The request's tensors; sampling settings only when sampling, and each only where it is not the
+    server's default (a server from before they existed then still serves the request)."""
+    sampling = Sampling.of(temperature)
     tensors = []
 
     def add(name, array, dtype):
@@ -69,9 +72,15 @@ def _inputs(module, prompt: list[int] | str, max_tokens: int, depth: int | None,
         add("num_draft_tokens", np.asarray([depth], dtype=np.int32), "INT32")
     if streaming is not None:
         add("streaming", np.asarray([streaming]), "BOOL")
-    if temperature:
-        add("temperature", np.asarray([temperature], dtype=np.float32), "FP32")
+    if sampling.temperature:
+        add("temperature", np.asarray([sampling.temperature], dtype=np.float32), "FP32")
         add("seed", np.asarray([seed], dtype=np.int64), "INT64")
+        if sampling.top_p != 1:
+            add("top_p", np.asarray([sampling.top_p], dtype=np.float32), "FP32")
+        if sampling.top_k:
+            add("top_k", np.asarray([sampling.top_k], dtype=np.int32), "INT32")
+        if sampling.rule != "rejection":
+            add("sampling_rule", np.asarray([sampling.rule.encode("utf-8")], dtype=np.object_), "BYTES")
     return tensors
 
 
@@ -91,8 +100,9 @@ def _collect(result, into: Generation) -> list[int]:
 
 
 def generate(http_url: str, prompt: list[int] | str, max_tokens: int = 32, depth: int | None = None,
-             model: str = GENERATE_MODEL, temperature: float = 0.0, seed: int = 0) -> Generation:
-    """One plain HTTP request; one response with every token and the statistics."""
+             model: str = GENERATE_MODEL, temperature: float | Sampling = 0.0, seed: int = 0) -> Generation:
+    """One plain HTTP request; one response with every token and the statistics. `temperature`: a bare
+    temperature, or a `Sampling` (top_p, top_k, rule)."""
     import tritonclient.http as httpclient
 
     with httpclient.InferenceServerClient(http_url) as client:
@@ -129,13 +139,14 @@ def stream(grpc_url: str, prompt: list[int] | str, max_tokens: int = 32, depth: 
 
 
 def remote_speculate(http_url: str, prompt_ids: list[int], max_new_tokens: int, depth: int,
-                     temperature: float = 0.0, seed: int = 0) -> SpecResult:
+                     temperature: float | Sampling = 0.0, seed: int = 0) -> SpecResult:
     """The server's speculation as a `SpecResult`, comparable field by field with `speculate(...)`."""
     return remote_speculate_recorded(http_url, prompt_ids, max_new_tokens, depth, temperature, seed)[0]
 
 
 def remote_speculate_recorded(http_url: str, prompt_ids: list[int], max_new_tokens: int, depth: int,
-                              temperature: float = 0.0, seed: int = 0) -> tuple[SpecResult, list[BatchedCall] | None]:
+                              temperature: float | Sampling = 0.0,
+                              seed: int = 0) -> tuple[SpecResult, list[BatchedCall] | None]:
     """`remote_speculate`, and the server's batched calls the request took part in (None: not reported)."""
     try:
         got = generate(http_url, list(prompt_ids), max_new_tokens, depth, temperature=temperature, seed=seed)
@@ -155,6 +166,12 @@ class RemoteSpeculator(Speculator):
 
     def __init__(self, http_url: str):
         self.url = http_url
+
+    def sampling_rule(self, requested: str | None) -> tuple[str, str]:
+        """The `cpu` repository's loop runs every rule; the request names it (`sampling_rule`)."""
+        rule = requested or "rejection"
+        Sampling(1.0, rule=rule)  # an unknown name is refused
+        return rule, f"set: each request names it (sampling_rule), the server's loop samples by {rule}"
 
     def run(self, prompt_ids, max_new_tokens, depth, temperature=0.0, seed=0, stop_ids=(), observer=None):
         if stop_ids:

@@ -31,6 +31,7 @@ from eagle31_export.export.bundle import read_bundle, read_bundle_drafter, write
 from eagle31_export.formats.outputs import atomic_output_dir, check_consumed, check_output
 from eagle31_export.formats.pair import read_pair
 from eagle31_export.formats.safetensors_io import write_json
+from eagle31_export.reference.speculate import SAMPLING_RULES
 from eagle31_export.runtime.registry import DEFAULT_SERVING_RUNTIME, RUNTIMES, runtime_named
 from eagle31_export.runtime.triton_names import GENERATE_MODEL, SPECULATE_MODEL, TRTLLM_MODEL
 
@@ -48,6 +49,9 @@ CPU_INPUTS = [
     ("stop_token_ids", "TYPE_INT64", [-1], True),
     ("temperature", "TYPE_FP32", [1], True),
     ("seed", "TYPE_INT64", [1], True),
+    ("top_p", "TYPE_FP32", [1], True),
+    ("top_k", "TYPE_INT32", [1], True),
+    ("sampling_rule", "TYPE_STRING", [1], True),
 ]
 CPU_OUTPUTS = [
     ("output_ids", "TYPE_INT64", [-1]),
@@ -216,19 +220,24 @@ interpreter first on PATH and ignores PYTHONPATH; `serve` puts this environment'
 
 Inputs: `input_ids` INT64 [-1] or `text_input` STRING [1] (only with a tokenizer next to the target),
 `max_tokens` INT32, `num_draft_tokens` INT32 (default {record['max_draft_len']}), `stop_token_ids` INT64 [-1],
-`temperature` FP32 (0: greedy, the default; else speculative rejection sampling), `seed` INT64.
+`temperature` FP32 (0: greedy, the default; else sampling, by `sampling_rule`), `seed` INT64, and, when
+sampling: `top_p` FP32 (keep the smallest set of tokens holding this much of the mass; default 1.0),
+`top_k` INT32 (keep the K most likely tokens; default 0 = all), `sampling_rule` STRING (default
+`rejection`; {_rules()}).
 Outputs: `output_ids`, `text_output` (with a tokenizer), `accepted_per_step`, `acceptance_length` (tau),
 `acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`, `draft_tokens` [rounds, depth],
 and, where the runtime batches the requests in flight, `batched_calls` [calls, 4]: each batched backend
 call the request took part in (id, size, prefill 0/1, sequences in flight).
 Greedy decoding: the tokens equal the target's own greedy output. Sampling with a seed is reproducible:
-the same seed gives the same tokens as `eagle31-export speculate --temperature T --seed S`.
+the same seed gives the same tokens as `eagle31-export speculate --temperature T --seed S` (at the default
+`top_p`, `top_k` and `sampling_rule`; the same loop otherwise, `reference/speculate.py: Sampling`).
 
 Every request is checked before anything runs. It must send exactly one of `input_ids` (at least one
 id, each in 0..vocab_size-1 of the target) and `text_input` (UTF-8); `max_tokens` >= 1 (default 64),
 with prompt length + `max_tokens` + `num_draft_tokens` - 1 within the positions the exported graphs'
 rope tables hold (the target's `max_position_embeddings` unless exported with `--max-positions`);
 `num_draft_tokens` from 1 to max(16, the default); `temperature` finite and >= 0; `seed` an integer;
+`top_p` in (0, 1]; `top_k` >= 0; `sampling_rule` one of {_rule_names()};
 every `stop_token_ids` id in the vocabulary.
 Errors: a request that breaks a rule gets status INVALID_ARG (HTTP 400, gRPC INVALID_ARGUMENT) with
 one line naming the input and the allowed range; wrong types, shapes or unknown inputs are refused
@@ -243,6 +252,14 @@ layers explicit); the target is `{SPECULATE_MODEL}/1/pair/target` ({_target_note
 Runtime: `{runtime}` ({RUNTIMES[runtime].help}); `pair/pair.json` names it and the artifacts it runs
 (`export triton --runtime {'|'.join(n for n, r in RUNTIMES.items() if r.servable)}`).
 """
+
+
+def _rules() -> str:
+    return "; ".join(f"`{name}`: {text}" for name, text in SAMPLING_RULES.items())
+
+
+def _rule_names() -> str:
+    return ", ".join(f"`{name}`" for name in SAMPLING_RULES)
 
 
 def _trtllm_readme(record: dict[str, Any], repo: Path) -> str:

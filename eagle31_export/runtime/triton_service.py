@@ -25,7 +25,7 @@ import torch
 from eagle31_export.errors import UserError
 from eagle31_export.formats.safetensors_io import read_json
 from eagle31_export.formats.tokenizer import load_tokenizer
-from eagle31_export.reference.speculate import LoopObserver, Round, SpecResult
+from eagle31_export.reference.speculate import SAMPLING_RULES, LoopObserver, Round, Sampling, SpecResult
 from eagle31_export.runtime.registry import LoadOptions, PairSource, Speculator, load_speculator
 
 
@@ -82,6 +82,16 @@ class GenerateRequest:
     temperature: float = 0.0
     seed: int = 0
     streaming: bool = False
+    top_p: float = 1.0  # sampling only: the nucleus, the top-k cut (0: all) and the rule (SAMPLING_RULES)
+    top_k: int = 0
+    sampling_rule: str = "rejection"
+
+    @property
+    def sampling(self) -> float | Sampling:
+        """What the speculator samples by: a bare temperature at 0 (greedy), else a `Sampling`."""
+        if self.temperature == 0:
+            return self.temperature
+        return Sampling(self.temperature, self.top_p, self.top_k, self.sampling_rule)
 
 
 def _scalar(name: str, array: np.ndarray, kinds: str, what: str):
@@ -92,6 +102,18 @@ def _scalar(name: str, array: np.ndarray, kinds: str, what: str):
     if array.dtype.kind not in kinds:
         raise RequestError(f"{name} must be {what} (got {array.dtype.name})")
     return array.reshape(-1)[0].item()
+
+
+def _string(name: str, array: np.ndarray) -> str:
+    """The single string of a [1] STRING input (a numpy object array of bytes)."""
+    array = np.asarray(array, dtype=object).reshape(-1)
+    if array.size != 1:
+        raise RequestError(f"{name} must hold exactly one string (got {array.size})")
+    raw = array[0]
+    try:
+        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError as err:
+        raise RequestError(f"{name} is not valid UTF-8 (byte {err.start})") from None
 
 
 def load_pair_dir(pair_dir: str | os.PathLike, runtime: str | None = None) -> tuple[Speculator, dict]:
@@ -153,14 +175,7 @@ class SpeculationService:
                 raise RequestError(f"input_ids must be integer token ids (got {ids.dtype.name})")
             prompt = [int(i) for i in ids.reshape(-1)]
         else:
-            text = np.asarray(text, dtype=object).reshape(-1)
-            if text.size != 1:
-                raise RequestError(f"text_input must hold exactly one string (got {text.size})")
-            raw = text[0]
-            try:
-                prompt = self.encode(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
-            except UnicodeDecodeError as err:
-                raise RequestError(f"text_input is not valid UTF-8 (byte {err.start})") from None
+            prompt = self.encode(_string("text_input", text))
         get = lambda name, kinds, what, default: (  # noqa: E731
             default if inputs.get(name) is None else _scalar(name, inputs[name], kinds, what))
         max_tokens = get("max_tokens", "iu", "an integer", default_max_tokens)
@@ -168,12 +183,15 @@ class SpeculationService:
         temperature = get("temperature", "fiu", "a number", 0.0)
         seed = get("seed", "iu", "an integer", 0)
         streaming = get("streaming", "b", "a boolean", False)
+        top_p = get("top_p", "fiu", "a number", 1.0)
+        top_k = get("top_k", "iu", "an integer", 0)
+        rule = "rejection" if inputs.get("sampling_rule") is None else _string("sampling_rule", inputs["sampling_rule"])
         stop = inputs.get("stop_token_ids")
         if stop is not None and np.asarray(stop).size and np.asarray(stop).dtype.kind not in "iu":
             raise RequestError(f"stop_token_ids must be integer token ids (got {np.asarray(stop).dtype.name})")
         stop_ids = () if stop is None else tuple(int(s) for s in np.asarray(stop).reshape(-1))
         request = GenerateRequest(prompt, int(max_tokens), int(depth), stop_ids, float(temperature), int(seed),
-                                  bool(streaming))
+                                  bool(streaming), float(top_p), int(top_k), rule)
         self.check(request)
         return request
 
@@ -189,6 +207,13 @@ class SpeculationService:
             raise RequestError(f"max_tokens must be >= 1 (got {request.max_tokens})")
         if not math.isfinite(request.temperature) or request.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0 (got {request.temperature})")
+        if not (math.isfinite(request.top_p) and 0 < request.top_p <= 1):
+            raise RequestError(f"top_p must be in (0, 1] (got {request.top_p})")
+        if request.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0: all tokens; got {request.top_k})")
+        if request.sampling_rule not in SAMPLING_RULES:
+            shown = request.sampling_rule[:40] + ("..." if len(request.sampling_rule) > 40 else "")
+            raise RequestError(f"sampling_rule must be one of {', '.join(SAMPLING_RULES)} (got {shown!r})")
         if limits.max_positions is not None:
             # the last round verifies up to position prompt + max_tokens - 2 + depth
             room = limits.max_positions - len(request.prompt) - request.depth + 1
@@ -215,12 +240,15 @@ class SpeculationService:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, depth: int | None = None,
                  stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None,
-                 temperature: float = 0.0, seed: int = 0) -> SpecResult:
+                 temperature: float | Sampling = 0.0, seed: int = 0) -> SpecResult:
         """Chain speculation (greedy at temperature 0); `on_tokens` receives tokens round by round as they
         are committed (the last round's are in the result only: the caller sends them with the statistics).
+        `temperature`: a bare temperature or a `Sampling` (top_p, top_k, rule).
         The request is checked first (RequestError); `depth` None: the pair's default."""
+        sampling = Sampling.of(temperature)
         request = GenerateRequest(list(prompt_ids), max_new_tokens, self.depth if depth is None else depth,
-                                  tuple(stop_ids), temperature, seed)
+                                  tuple(stop_ids), sampling.temperature, seed, top_p=sampling.top_p,
+                                  top_k=sampling.top_k, sampling_rule=sampling.rule)
         self.check(request)
         return self.run(request, on_tokens)
 
@@ -230,7 +258,7 @@ class SpeculationService:
         backend calls the request took part in (`runtime/batching.py: BatchedCall`), where the runtime
         batches the requests in flight (its speculator has `run_recorded`); else it stays empty."""
         observer = _Streamer(on_tokens) if on_tokens is not None else None
-        args = (list(request.prompt), request.max_tokens, request.depth, request.temperature, request.seed,
+        args = (list(request.prompt), request.max_tokens, request.depth, request.sampling, request.seed,
                 request.stop_ids, observer)
         recorded = getattr(self.speculator, "run_recorded", None)
         if calls is None or recorded is None:

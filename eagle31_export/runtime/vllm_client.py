@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from eagle31_export.errors import UserError
+from eagle31_export.reference.speculate import Sampling
 
 REQUEST_TIMEOUT_S = 600.0
 METRICS_TIMEOUT_S = 30.0
@@ -222,31 +223,43 @@ class VllmClient:
         samples = self._parsed(parse_metrics, (RUNNING, WAITING))
         return _total(samples, RUNNING), _total(samples, WAITING)
 
-    def served_dtype(self) -> str | None:
-        """The dtype the engine computes in (`model_config.dtype`: float32, bfloat16, ...), from
-        `/server_info`; None where the server does not tell (that endpoint is one of vLLM's
-        development endpoints: it answers only on a server started with VLLM_SERVER_DEV_MODE=1)."""
+    def server_config(self) -> dict:
+        """The engine's `vllm_config` from `/server_info`; {} where the server does not tell (that endpoint
+        is one of vLLM's development endpoints: it answers only on a server started with
+        VLLM_SERVER_DEV_MODE=1)."""
         try:
             info = json.loads(self._request("/server_info?config_format=json", timeout=120))
         except urllib.error.HTTPError:
-            return None  # 404: no development endpoints
+            return {}  # 404: no development endpoints
         except (urllib.error.URLError, OSError) as err:
             raise self._fail("/server_info", err) from None
         except ValueError:
-            return None
+            return {}
         config = (info.get("vllm_config") or {}) if isinstance(info, dict) else {}
-        dtype = (config.get("model_config") or {}).get("dtype") if isinstance(config, dict) else None
+        return config if isinstance(config, dict) else {}
+
+    def served_dtype(self) -> str | None:
+        """The dtype the engine computes in (`model_config.dtype`: float32, bfloat16, ...); None: not told."""
+        dtype = (self.server_config().get("model_config") or {}).get("dtype")
         return str(dtype).removeprefix("torch.") if dtype else None
 
-    def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
+    def draft_sample_method(self) -> str | None:
+        """How the engine drafts (`speculative_config.draft_sample_method`: greedy, probabilistic); None: not told."""
+        method = (self.server_config().get("speculative_config") or {}).get("draft_sample_method")
+        return str(method) if method else None
+
+    def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float | Sampling = 0.0, seed: int = 0,
                  stop_ids: tuple[int, ...] = ()) -> Completion:
         """One completion from token ids. Generation runs to `max_tokens` (or a stop id), as our own
         loop does: the model's EOS and the server's default sampling settings do not apply."""
-        # No top_k / min_p / repetition_penalty, not even at their neutral values: vLLM 0.32 then takes
-        # another sampling path, under which its CPU build accepted no drafts at all (docs/runtimes.md).
+        # No top_k / top_p / min_p / repetition_penalty unless asked, not even at their neutral values:
+        # vLLM 0.32 then takes another sampling path (docs/runtimes.md, "Sampling").
+        sampling = Sampling.of(temperature)
         body = {"model": self.model(), "prompt": list(prompt_ids), "max_tokens": max_tokens,
-                "temperature": temperature, "seed": seed, "ignore_eos": True, "stop_token_ids": list(stop_ids),
-                "return_token_ids": True}
+                "temperature": sampling.temperature, "seed": seed, "ignore_eos": True,
+                "stop_token_ids": list(stop_ids), "return_token_ids": True,
+                **({"top_p": sampling.top_p} if sampling.top_p < 1 else {}),
+                **({"top_k": sampling.top_k} if sampling.top_k else {})}
         try:
             answer = json.loads(self._request("/v1/completions", body))
         except (urllib.error.URLError, OSError) as err:

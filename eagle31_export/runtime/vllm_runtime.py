@@ -58,6 +58,29 @@ class VllmSpeculator(Speculator):
     def url(self) -> str:
         return self.client.url
 
+    def sampling_rule(self, requested: str | None) -> tuple[str, str]:
+        """vLLM 0.32 drafts by argmax unless started with draft_sample_method "probabilistic", whose draft
+        probabilities it never reports (nothing to compare with); a local engine of ours drafts greedily,
+        a server at --url is asked (/server_info) or taken at --sampling-rule's word."""
+        if requested not in (None, "greedy-drafts"):
+            raise UserError(f"--sampling-rule {requested}: vLLM samples by greedy-drafts (its drafts are the drafter's "
+                            "argmax; draft_sample_method greedy, its default); drop --sampling-rule")
+        if self.server is not None:
+            return "greedy-drafts", ("set: the local engine this run started drafts greedily (draft_sample_method "
+                                     "greedy, vLLM's default)")
+        method = self.client.draft_sample_method()
+        if method == "greedy":
+            return "greedy-drafts", "observed: the server's /server_info (speculative_config.draft_sample_method greedy)"
+        if method is not None:
+            raise UserError(f"the vLLM server at {self.url} drafts by draft_sample_method {method!r} (its /server_info): "
+                            "its draft probabilities are not reported, so its sampling cannot be compared; serve it "
+                            "with the default greedy drafts")
+        if requested is None:
+            raise UserError(f"--url {self.url}: the vLLM server does not say how it drafts (its /server_info answers "
+                            "only with VLLM_SERVER_DEV_MODE=1); pass --sampling-rule greedy-drafts if it was started "
+                            "without draft_sample_method probabilistic")
+        return "greedy-drafts", "stated with --sampling-rule greedy-drafts, not observed: the server does not tell"
+
     def close(self) -> None:
         self._finalizer()
 

@@ -32,8 +32,9 @@ from eagle31_export.runtime.triton_service import SpeculationService, client_err
 from eagle31_export.runtime.triton_status import STATUS_PARAMETER, tag_status
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# every input of config.pbtxt (runtime/triton_repo.py: CPU_INPUTS, and streaming); an absent one reaches parse as None
 INPUTS = ("input_ids", "text_input", "max_tokens", "num_draft_tokens", "stop_token_ids", "temperature", "seed",
-          "streaming")
+          "top_p", "top_k", "sampling_rule", "streaming")
 
 
 def _input(request, name):
