@@ -23,7 +23,7 @@ from eagle31_export.export.vllm import export_vllm
 from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, write_drafter
 from eagle31_export.formats.outputs import write_manifest
 from eagle31_export.parity.compare import LATER_POSITIONS, POSITION_1
-from eagle31_export.parity.sampling import ENGINE_EMITS, ENGINE_FEWER
+from eagle31_export.parity.sampling import ENGINE_EMITS, ENGINE_FEWER, ENGINE_MORE
 from eagle31_export.parity.sides import check_parity
 from eagle31_export.runtime.registry import LoadOptions
 from eagle31_export.runtime.vllm_engine import LocalServer, find_vllm
@@ -234,29 +234,31 @@ FP32 = {"dtype": torch.float32}  # what the shared servers compute in (stated: t
                          ids=["eagle31", "eagle3"])
 def test_sampling_on_vllm_cpu_names_the_engine_sampler(vllm, request, drafter, server, temperature):
     """vLLM's CPU build under sampling, faithful bundles, plain and with a top-p cut: every draft it
-    accepted is the reference drafter's greedy draft ((a) finds no accepted token that differs), but it
-    accepts far fewer drafts than its target's probabilities allow ((b)), and some rejections emit the
-    draft itself; the verdict names the engine's sampler, never the drafter (docs/runtimes.md, "Sampling
-    parity", has these figures)."""
+    accepted is the reference drafter's greedy draft ((a) finds no accepted token that differs), but its
+    acceptance breaks the law of its target's probabilities whatever it drafted (far fewer or far more
+    than they allow, or rejections that emit the draft itself; which one varies from run to run), and
+    the verdict names the engine's sampler, never the drafter (docs/runtimes.md, "Sampling parity")."""
     url = request.getfixturevalue(server).url
     for top_p in (1.0, 0.95):
         report = parity(vllm, None, drafter, url=url, runtime_options=FP32, temperature=temperature, top_p=top_p,
-                        sampling_rule="greedy-drafts")
+                        sampling_rule="greedy-drafts", max_new_tokens=64)
         check = report.sampled
-        assert report.verdict == "FAIL" and check.at_fault == "sampler", report.failures
-        assert not any(p.mismatch for p in check.prompts)  # no accepted token differs from the reference's draft
-        assert all(ENGINE_FEWER in f or ENGINE_EMITS in f for f in report.failures), report.failures
-        assert not any(POSITION_1 in f or LATER_POSITIONS in f for f in report.failures)
-        first = check.positions[0]
-        assert first.reached > 100 and first.z < -3, first  # position 1: far below the target's probabilities
-        assert check.positions[1].accepted == 0
-        assert report.sampling_rule_basis.startswith("stated")
         observed, expected, half = check.tau
         print(f"{Path(drafter).name} T={temperature} top_p={top_p}: rounds {check.rounds}, accepted checked "
-              f"{check.accepted_checked}, rejections checked {check.rejections_checked}, emitted drafts "
-              f"{[e[1] for e in check.emitted_drafts]}, tau {observed:.3f} vs {expected:.3f} +- {half:.3f}; per "
-              f"position (reached, accepted, expected, z): "
-              f"{[(p.reached, p.accepted, round(p.expected, 1), p.z and round(p.z, 1)) for p in check.positions]}")
+              f"{check.accepted_checked}, rejections checked {check.rejections_checked}, tau {observed:.3f} vs "
+              f"{expected:.3f} +- {half:.3f}, prompts for a 0.1 tau change {check.prompts_to_see()}; per position "
+              "(reached, accepted, expected, z, rejections emitting the draft, at most, z accepted or emitting): "
+              f"{[(p.reached, p.accepted, round(p.expected, 1), p.z and round(p.z, 1), p.matched, round(p.match_bound, 1), p.z_either and round(p.z_either, 1)) for p in check.positions]}; "  # noqa: E501
+              f"failures: {report.failures}")
+        assert report.verdict == "FAIL" and check.at_fault == "sampler", report.failures
+        assert not any(p.mismatch for p in check.prompts)  # no accepted token differs from the reference's draft
+        assert all(any(side in f for side in (ENGINE_FEWER, ENGINE_MORE, ENGINE_EMITS)) for f in report.failures), \
+            report.failures
+        assert not any(POSITION_1 in f or LATER_POSITIONS in f for f in report.failures)
+        # shown wrong whatever the engine drafted: too few accepted or emitted, too many accepted, or
+        # rejections emitting the draft more often than a correct sampler can (which one varies by run)
+        assert check.positions[0].reached > 100 and check.sampler_wrong
+        assert report.sampling_rule_basis.startswith("stated")
 
 
 def test_url_sampling_needs_the_servers_rule(vllm, url_server):
@@ -308,15 +310,10 @@ def test_repeats_are_identical_and_served_from_the_prefix_cache(vllm, url_server
                                           ("fc_norm", POSITION_1), ("d2t", POSITION_1)])
 def test_broken_bundles_fail_on_vllm_with_their_symptom(vllm, tmp_path, sources, bug, symptom):
     """Each bundle is what a buggy exporter would write (a valid manifest over broken content);
-    vLLM runs every one of them without a word, and parity names the cause, greedy and under sampling
-    on the same engine. Under sampling vLLM's CPU build accepts drafts only with a top-p cut, and never
-    at draft position 2: there the first-step bugs fail (a) with their symptom; norm_output, which
-    changes later drafts only, cannot show through it, and the verdict names the engine's sampler."""
-    record = read_bundle(bundle_of(tmp_path, sources[bug]))
-    with LocalServer(find_vllm(vllm), engine_args(record, LoadOptions(depth=3)), tmp_path) as server:
-        report = parity(vllm, None, DRAFTER31, url=server.url, runtime_options=FP32)
-        sampled = {t: parity(vllm, None, DRAFTER31, url=server.url, runtime_options=FP32, temperature=t, top_p=0.95,
-                             sampling_rule="greedy-drafts") for t in (0.7, 1.0)}
+    vLLM runs every one of them without a word, and parity names the cause. (Under sampling, vLLM's CPU
+    build misbehaves too much for its verdicts to name these: docs/runtimes.md, "Sampling parity";
+    tests/test_sampling_parity.py catches all four under sampling on our runtimes.)"""
+    report = parity(vllm, bundle_of(tmp_path, sources[bug]), DRAFTER31)
     assert not report.passed
     assert all(r.tokens_identical for r in report.rows)  # lossless: only acceptance shows it
     symptoms = [r.symptom for r in report.rows if not r.accepted_identical]
@@ -326,13 +323,6 @@ def test_broken_bundles_fail_on_vllm_with_their_symptom(vllm, tmp_path, sources,
         assert report.tau("runtime") < report.tau("reference")
     else:  # what the first step reads is wrong: some round differs at position 1
         assert any(POSITION_1 in s for s in symptoms), symptoms
-    for t, got in sampled.items():
-        check = got.sampled
-        assert got.verdict == "FAIL" and check.positions[1].accepted == 0, (t, got.failures)
-        if symptom == POSITION_1:
-            assert check.at_fault == "drafter" and all(POSITION_1 in f for f in got.failures), (t, got.failures)
-        else:
-            assert check.at_fault == "sampler", (t, got.failures)
 
 
 def test_kimi_mla_pair_runs_on_vllm(vllm, tmp_path, kimi_prompts):

@@ -83,13 +83,18 @@ def sampled_lines(report: ParityReport) -> list[str]:
              f"(a) drafts: {check.accepted_checked} accepted tokens and {check.rejections_checked} rejections checked "
              f"over {check.rounds} rounds; " + ("every one as the reference drafter drafts" if check.drafts_exact else
                                                f"at fault: {check.at_fault}"), "",
+             *([f"{len(check.emitted_drafts)} rejections emitted the reference's own draft; the sampler is shown "
+                "wrong, so they tell nothing of the drafter", ""] if check.emitted_drafts and check.sampler_wrong
+               else []),
              f"(b) acceptance: tau {observed:.3f} observed vs {expected:.3f} expected from the target's probabilities "
              f"(95 %: +-{half:.3f}; z {_z(check.tau_z)})", "",
-             "| draft position | rounds reaching it | accepted | expected | 95 % interval | z |", "|---|---|---|---|---|---|"]
+             "| draft position | rounds reaching it | accepted | expected | 95 % interval | z | rejections emitting "
+             "the draft | z of accepted or emitting (>= 0 whatever was drafted) |", "|---|---|---|---|---|---|---|---|"]
     for law in check.positions:
         low, high = law.interval()
         lines.append(f"| {law.position} | {law.reached} | {law.accepted} | {law.expected:.1f} | {low:.1f} .. {high:.1f} "
-                     f"| {_z(law.z)} |")
+                     f"| {_z(law.z)} | {law.matched} (at most {law.match_bound:.1f} with a correct sampler) "
+                     f"| {_z(law.z_either)} |")
     need = check.prompts_to_see()
     if need is not None:
         lines += ["", f"(b) would see a change of 0.1 in tau (95 % confidence, 80 % power) with about {need} prompts "

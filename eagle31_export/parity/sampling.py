@@ -5,21 +5,28 @@ runtime's own output (its tokens and per-round accepted counts) the reference's 
 (reference/replay.py: replay_sampled):
 (a) exact: every accepted token equals the reference's draft at its position, and the token emitted
     at a rejection differs from it (a rejection is resampled with the draft masked out). A difference
-    where the reference drafter's top-2 margin is within the tie tolerance is a numerical tie: counted,
+    where the reference drafter's top-2 margin is within the tie tolerance is a numerical tie: listed,
     and the rest of that round is not judged (the runtime drafted another token from there).
-(b) statistical: draft i of a round was accepted with probability p_i = p_target(d_i) on its prefix.
-    Summed over every draft position a round reached, the accepted count has expectation sum(p_i) and
+(b) statistical: draft d_i of a round was accepted with probability p_i = p_target(d_i) on its prefix.
+    Summed over the rounds reaching a draft position, the accepted count has expectation sum(p_i) and
     variance sum(p_i (1 - p_i)) (each term given the rounds before: a martingale, so the z-score holds
-    without independence). Each position and the total (tau) are compared at `z` sigma.
-(a) failing is the drafter's (its symptom by position); (a) holding while (b) fails is the runtime's
-sampling (its rejection sampler or its sampling parameters), never the drafter.
+    without independence); each position and the total (tau) are held to it at `z` sigma.
 
-A rejection that emits the reference's own draft has two explanations: the runtime drafted another
-token (the drafter), or its sampler emitted its draft without accepting it (the engine). With a
-correct sampler and any other draft d', the token would be the reference's draft d with probability
-p(d) / (1 - p(d')) <= p(d) / (1 - max over x != d of p(x)); over all such rejections the product of
-those bounds says how likely the drafter explanation is at best. Below EMITTED_DRAFT_ALPHA the
-failure names the engine's sampler (vLLM's CPU build does this: docs/runtimes.md, "Sampling").
+Which side is at fault, per draft position, with a correct sampler and ANY drafter:
+- a round whose runtime drafted d (ours) accepts it with probability p(d); one that drafted another d'
+  accepts d' with p(d') or, rejecting, emits d with probability (1 - p(d')) p(d) / (1 - p(d')) = p(d).
+  So "accepted, or a rejection that emitted d" happens with probability >= p(d) in every round: that
+  count far below sum(p) is the sampler's fault whatever the runtime drafted (`low`);
+- a rejection emits d with probability <= p(d) / (1 - max over x != d of p(x)) (0 if it drafted d):
+  far more such rejections than those bounds allow (a Chernoff bound) is the sampler emitting its
+  drafts (`emits`);
+- an accepted token that is not d is the drafter's (its symptom by position); so are rejections that
+  emitted d, where no position shows the sampler wrong (a sampler that emits drafts somewhere may
+  emit them anywhere: then they tell nothing of the drafter);
+- the reference's draft accepted far more often than sum(p) is the sampler's too, whatever was
+  drafted (a round accepts d with probability p(d) only where it drafted d);
+- with none of these, (b) on the accepted count alone, both ways, is the sampler's ("its rejection
+  sampler or its sampling parameters").
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from eagle31_export.reference.replay import SampledRound
 
 Z_95 = 1.959964  # two-sided 95 %
 Z_80_POWER = 0.841621  # one-sided 80 %
-EMITTED_DRAFT_ALPHA = 1e-3  # below this, a differing drafter cannot explain the drafts emitted at rejections
+EMITTED_DRAFT_ALPHA = 1e-3  # below this, no drafter with a correct sampler explains the drafts emitted at rejections
 MIN_REACHED = 10  # rounds reaching a draft position before (b) can say anything of its rate
 TAU_CHANGE = 0.1  # the change in tau the report says how many prompts (b) needs to see
 ENGINE_FEWER = ("the engine accepts fewer drafts than its target's probabilities allow: its rejection sampler or "
@@ -54,24 +61,51 @@ class PromptDrafts:
     ties: list[str] = field(default_factory=list)
     mismatch: str | None = None  # the first accepted token that is not the reference's draft, beyond a tie
     symptom: str | None = None
-    # rejections that emitted the reference's own draft: [round, draft position, log10 of the bound on how
-    # likely a differing drafter with a correct sampler makes that token]
+    # rejections that emitted the reference's own draft: [round, draft position]
     emitted_drafts: list[list] = field(default_factory=list)
 
 
 @dataclass
 class PositionLaw:
-    """(b) at one draft position: how often it was reached and accepted, against the expectation."""
+    """(b) at one draft position: how often it was reached and accepted, against the expectation; and
+    the rejections there that emitted the reference's draft (`matched`), with the most a correct
+    sampler lets them be (`match_bound`, summed over every rejection)."""
 
     position: int
     reached: int = 0
     accepted: int = 0
     expected: float = 0.0
     variance: float = 0.0
+    matched: int = 0
+    match_bound: float = 0.0
+    accepted_other: int = 0  # accepted tokens that are not the reference's draft (the drafter's, by (a))
 
     @property
     def z(self) -> float | None:
         return (self.accepted - self.expected) / math.sqrt(self.variance) if self.variance > 0 else None
+
+    @property
+    def z_either(self) -> float | None:
+        """z of accepted-or-emitted-the-draft against sum(p): >= 0 in expectation whatever was drafted."""
+        return ((self.accepted + self.matched - self.expected) / math.sqrt(self.variance)
+                if self.variance > 0 else None)
+
+    @property
+    def z_same(self) -> float | None:
+        """z of the accepted tokens that are the reference's draft against sum(p): <= 0 in expectation
+        whatever was drafted (a round accepts d with probability p(d) only where it drafted d)."""
+        return ((self.accepted - self.accepted_other - self.expected) / math.sqrt(self.variance)
+                if self.variance > 0 else None)
+
+    @property
+    def emits_tail(self) -> float:
+        """Chernoff bound on P(at least `matched` such rejections) with a correct sampler and any drafter."""
+        m, mu = self.matched, self.match_bound
+        if m == 0 or m <= mu:
+            return 1.0
+        if mu <= 0:
+            return 0.0
+        return math.exp(m - mu + m * math.log(mu / m))
 
     def interval(self) -> tuple[float, float]:
         """The 95 % interval of the accepted count under the target's probabilities."""
@@ -80,7 +114,9 @@ class PositionLaw:
 
     def to_json(self) -> dict:
         low, high = self.interval()
-        return {**asdict(self), "z": self.z, "interval_95": [low, high]}
+        return {**asdict(self), "z": self.z, "z_accepted_or_emitted": self.z_either, "z_accepted_same": self.z_same,
+                "emits_tail": self.emits_tail,
+                "interval_95": [low, high]}
 
 
 @dataclass
@@ -96,6 +132,7 @@ class SamplingCheck:
 
     @property
     def drafts_exact(self) -> bool:
+        """(a) held: no accepted token differs from the reference's draft and no rejection emitted it."""
         return all(p.mismatch is None and not p.emitted_drafts for p in self.prompts)
 
     @property
@@ -110,24 +147,29 @@ class SamplingCheck:
     def emitted_drafts(self) -> list[list]:
         return [e for p in self.prompts for e in p.emitted_drafts]
 
+    def _sampler_positions(self) -> tuple[list[PositionLaw], list[PositionLaw]]:
+        """(positions where too few drafts were accepted whatever was drafted, positions where rejections
+        emitted the draft more often than a correct sampler can)."""
+        low = [law for law in self.positions if law.z_either is not None and law.z_either < -self.z]
+        emits = [law for law in self.positions if law.emits_tail < EMITTED_DRAFT_ALPHA]
+        return low, emits
+
+    def _too_many(self) -> list[PositionLaw]:
+        """Positions accepting the reference's draft far more often than the target's probabilities allow."""
+        return [law for law in self.positions if law.z_same is not None and law.z_same > self.z]
+
     @property
-    def emitted_log10_bound(self) -> float:
-        """log10 of the most likely a differing drafter (with a correct sampler) makes every emitted draft."""
-        return sum(e[2] for e in self.emitted_drafts)
+    def sampler_wrong(self) -> bool:
+        """Some draft position shows the sampler wrong whatever the runtime drafted."""
+        low, emits = self._sampler_positions()
+        return bool(low or emits or self._too_many())
 
     @property
     def at_fault(self) -> str | None:
-        """Which side the failures name: "drafter", "sampler" (the runtime's sampling), or None."""
-        if any(p.mismatch for p in self.prompts):
-            return "drafter"
-        if self.emitted_drafts:
-            return "sampler" if self.sampler_emits else "drafter"
-        return "sampler" if self.failures() else None
-
-    @property
-    def sampler_emits(self) -> bool:
-        """Drafts were emitted at rejections more often than any differing drafter could explain."""
-        return bool(self.emitted_drafts) and self.emitted_log10_bound < math.log10(EMITTED_DRAFT_ALPHA)
+        """Which side the failures name: "drafter", "sampler" (the runtime's sampling), "both", or None."""
+        drafter = bool(self._drafter_failures())
+        sampler = bool(self._sampler_failures())
+        return {(True, True): "both", (True, False): "drafter", (False, True): "sampler"}.get((drafter, sampler))
 
     @property
     def accepted(self) -> int:
@@ -160,14 +202,36 @@ class SamplingCheck:
         return math.ceil(rounds / (self.rounds / len(self.prompts)))
 
     def failures(self) -> list[str]:
-        """(a)'s differences name the drafter, but drafts emitted at rejections more often than any drafter
-        could explain name the sampler; (b) is judged where no drafter difference was found."""
-        if any(p.mismatch for p in self.prompts):
-            return [f"prompt {p.prompt_index}: {p.mismatch} ({p.symptom})" for p in self.prompts if p.mismatch]
-        out = self._emitted_failures()
-        if out and not self.sampler_emits:
-            return out
-        out += [self._law_failure(f"draft position {law.position}", law.accepted, law.expected, law.z, law.reached)
+        """The drafter's failures (a), then the sampler's."""
+        return self._drafter_failures() + self._sampler_failures()
+
+    def _drafter_failures(self) -> list[str]:
+        out = [f"prompt {p.prompt_index}: {p.mismatch} ({p.symptom})" for p in self.prompts if p.mismatch]
+        if self.sampler_wrong:
+            return out  # a sampler shown wrong may emit drafts anywhere: those no longer tell of the drafter
+        for law in self.positions:
+            if law.matched:
+                first = next(p for p in self.prompts for e in p.emitted_drafts if e[1] == law.position)
+                at = next(e[0] for e in first.emitted_drafts if e[1] == law.position)
+                out.append(f"draft position {law.position}: {law.matched} rejections emitted the reference's own "
+                           f"draft (first: prompt {first.prompt_index}, round {at}), which a rejection masks out: "
+                           f"the runtime drafted another token ({position_symptom(law.position)})")
+        return out
+
+    def _sampler_failures(self) -> list[str]:
+        low, emits = self._sampler_positions()
+        out = [f"draft position {law.position}: {law.accepted} drafts accepted and {law.matched} rejections that "
+               f"emitted the reference's draft in {law.reached} rounds, {law.expected:.1f} expected at least "
+               f"whatever was drafted (z = {law.z_either:+.1f}): {ENGINE_FEWER}" for law in low]
+        out += [f"draft position {law.position}: {law.accepted - law.accepted_other} of {law.reached} drafts accepted, "
+                f"{law.expected:.1f} expected at most whatever was drafted (z = {law.z_same:+.1f}): {ENGINE_MORE}"
+                for law in self._too_many()]
+        out += [f"draft position {law.position}: {law.matched} of {law.reached - law.accepted} rejections emitted the "
+                f"reference's draft, at most {law.match_bound:.1f} expected with a correct sampler whatever was "
+                f"drafted (P <= {law.emits_tail:.1g}): {ENGINE_EMITS}" for law in emits]
+        if out or any(p.mismatch for p in self.prompts) or self.emitted_drafts:
+            return out  # the law of the accepted count alone holds only where every draft was ours
+        out = [self._law_failure(f"draft position {law.position}", law.accepted, law.expected, law.z, law.reached)
                for law in self.positions if law.z is not None and abs(law.z) > self.z]
         tau_z = self.tau_z
         if tau_z is not None and abs(tau_z) > self.z:
@@ -175,21 +239,6 @@ class SamplingCheck:
             out.append(f"tau {observed:.3f} vs {expected:.3f} expected from the target's probabilities "
                        f"(z = {tau_z:+.1f}): {ENGINE_FEWER if tau_z < 0 else ENGINE_MORE}")
         return out
-
-    def _emitted_failures(self) -> list[str]:
-        events = self.emitted_drafts
-        if not events:
-            return []
-        positions = sorted({e[1] for e in events})
-        where = ", ".join(f"position {p}: {sum(e[1] == p for e in events)}" for p in positions)
-        bound = self.emitted_log10_bound
-        said = (f"{len(events)} rejections emitted the reference's own draft ({where}); a drafter drafting another "
-                f"token would do that with probability <= 1e{bound:.0f}")
-        if self.sampler_emits:
-            return [f"{said}: {ENGINE_EMITS}"]
-        first = next(p for p in self.prompts if p.emitted_drafts)
-        return [f"{said}; first: prompt {first.prompt_index}, round {first.emitted_drafts[0][0]}: the runtime drafted "
-                f"another token ({position_symptom(positions[0])})"]
 
     def _law_failure(self, where: str, accepted: int, expected: float, z: float, reached: int) -> str:
         return (f"{where}: {accepted} of {reached} drafts accepted, {expected:.1f} expected from the target's "
@@ -210,7 +259,7 @@ class SamplingCheck:
         observed, expected, half = self.tau
         return {"rule": self.rule, "tie_gap": self.tie_gap, "z": self.z, "rounds": self.rounds,
                 "drafts_exact": self.drafts_exact, "at_fault": self.at_fault,
-                "emitted_drafts": len(self.emitted_drafts), "emitted_log10_bound": self.emitted_log10_bound,
+                "emitted_drafts": len(self.emitted_drafts),
                 "accepted_checked": self.accepted_checked, "rejections_checked": self.rejections_checked,
                 "ties": sum(len(p.ties) for p in self.prompts),
                 "tau": {"observed": observed, "expected": expected, "half_width_95": half, "z": self.tau_z},
@@ -231,30 +280,33 @@ def _check_prompt(index: int, rounds: list[SampledRound], tie_gap: float, positi
                   ) -> PromptDrafts:
     found = PromptDrafts(index, rounds=len(rounds))
     for r in rounds:
-        judged = _judge_round(r, tie_gap, found)
+        judged, matched, other = _judge_round(r, tie_gap, found)
         for i in range(judged):
             p = r.p_drafts[i]
             if p is None:
-                break
+                break  # past the drafts the run's sequence holds (a differing accepted token, the end)
             law = positions[i]
             law.reached += 1
             law.accepted += int(r.accepted > i)
             law.expected += p
             law.variance += p * (1 - p)
-        if found.mismatch:
-            break  # past a drafter difference the runtime's rounds no longer follow the reference's drafts
+            law.accepted_other += int(other == i)
+            if r.accepted == i:  # the rejection: how likely a correct sampler emits d here, at most
+                law.match_bound += _emit_bound(p, r.p_rivals[i])
+                law.matched += int(matched)
     return found
 
 
-def _judge_round(r: SampledRound, tie_gap: float, found: PromptDrafts) -> int:
-    """(a) on one round; the number of its draft positions that followed the reference's drafts (to
-    judge by (b)). Records a tie, a draft emitted at a rejection, or the first mismatch in `found`."""
+def _judge_round(r: SampledRound, tie_gap: float, found: PromptDrafts) -> tuple[int, bool, int | None]:
+    """(a) on one round: (how many of its draft positions to judge by (b), whether its rejection emitted
+    the reference's draft, the position (0-based) of an accepted token that is not it). Records ties, drafts emitted at a rejection and the first accepted token
+    that is not the reference's draft in `found`."""
     for i, token in enumerate(r.committed[: len(r.drafts)]):
         draft, accepted = r.drafts[i], i < r.accepted
         if accepted == (token == draft):
             if not accepted:
                 found.rejections_checked += 1
-                return i + 1
+                return i + 1, False, None
             found.accepted_checked += 1
             continue
         what = (f"round {r.index}, draft position {i + 1}: " +
@@ -262,20 +314,20 @@ def _judge_round(r: SampledRound, tie_gap: float, found: PromptDrafts) -> int:
                  f"the token emitted at a rejection is the reference's draft {draft}"))
         if r.margins[i] <= tie_gap:
             found.ties.append(f"{what}, within the drafter's top-2 margin {r.margins[i]:.3g}")
-            return i  # the runtime's draft here is the other candidate: this position is not judged
+            return i, False, None  # the runtime's draft here is the other candidate: this position is not judged
         if not accepted:
             found.rejections_checked += 1
-            found.emitted_drafts.append([r.index, i + 1, _log10_bound(r, i)])
-            return i + 1  # judged by (b) as the rejection the runtime counted
-        found.mismatch, found.symptom = what, position_symptom(i + 1)
-        return i
-    return min(r.accepted + 1, len(r.drafts))
+            found.emitted_drafts.append([r.index, i + 1])
+            return i + 1, True, None
+        if found.mismatch is None:
+            found.mismatch, found.symptom = what, position_symptom(i + 1)
+        return i + 1, False, i  # its own draft was accepted here; later positions left the reference's drafts
+    return min(r.accepted + 1, len(r.drafts)), False, None
 
 
-def _log10_bound(r: SampledRound, i: int) -> float:
-    """log10 of p(d) / (1 - max over x != d of p(x)): the most likely a correct sampler with another draft
-    masked out emits the reference's draft d here."""
-    p, rival = r.p_drafts[i], r.p_rivals[i]
-    if p is None or rival is None or rival >= 1:
-        return 0.0
-    return math.log10(max(min(p / (1 - rival), 1.0), 1e-300))
+def _emit_bound(p: float, rival: float | None) -> float:
+    """p(d) / (1 - max over x != d of p(x)), at most 1: the most likely a correct sampler that masked out
+    some other draft emits the reference's draft d."""
+    if rival is None or rival >= 1:
+        return 1.0
+    return min(p / (1 - rival), 1.0)
