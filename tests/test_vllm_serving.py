@@ -66,7 +66,7 @@ def test_a_server_that_says_how_it_drafts_needs_no_stated_rule(vllm, serial_bf16
     """/server_info carries speculative_config.draft_sample_method: greedy here (vLLM's default), so
     sampling parity takes the rule as observed; a stated rule other than greedy-drafts is refused."""
     report = parity(vllm, None, DRAFTER31, url=serial_bf16.url, runtime_options={"dtype": None}, temperature=0.7,
-                    max_new_tokens=16)
+                    max_new_tokens=8)
     assert report.sampling.rule == "greedy-drafts" and report.sampling_rule_basis.startswith("observed")
     assert report.sampled is not None and report.sampled.rounds > 0
     _assert_one_line(*cli("parity", "--drafter", DRAFTER31, "--target", TARGET, "--runtime", "vllm", "--url",
