@@ -147,22 +147,19 @@ class SamplingCheck:
     def emitted_drafts(self) -> list[list]:
         return [e for p in self.prompts for e in p.emitted_drafts]
 
-    def _sampler_positions(self) -> tuple[list[PositionLaw], list[PositionLaw]]:
-        """(positions where too few drafts were accepted whatever was drafted, positions where rejections
-        emitted the draft more often than a correct sampler can)."""
+    def _sampler_positions(self) -> tuple[list[PositionLaw], list[PositionLaw], list[PositionLaw]]:
+        """Positions showing the sampler wrong whatever the runtime drafted: (too few accepted or emitting
+        the draft, the reference's draft accepted far too often, rejections emitting the draft more often
+        than a correct sampler can)."""
         low = [law for law in self.positions if law.z_either is not None and law.z_either < -self.z]
+        high = [law for law in self.positions if law.z_same is not None and law.z_same > self.z]
         emits = [law for law in self.positions if law.emits_tail < EMITTED_DRAFT_ALPHA]
-        return low, emits
-
-    def _too_many(self) -> list[PositionLaw]:
-        """Positions accepting the reference's draft far more often than the target's probabilities allow."""
-        return [law for law in self.positions if law.z_same is not None and law.z_same > self.z]
+        return low, high, emits
 
     @property
     def sampler_wrong(self) -> bool:
         """Some draft position shows the sampler wrong whatever the runtime drafted."""
-        low, emits = self._sampler_positions()
-        return bool(low or emits or self._too_many())
+        return any(self._sampler_positions())
 
     @property
     def at_fault(self) -> str | None:
@@ -219,13 +216,13 @@ class SamplingCheck:
         return out
 
     def _sampler_failures(self) -> list[str]:
-        low, emits = self._sampler_positions()
+        low, high, emits = self._sampler_positions()
         out = [f"draft position {law.position}: {law.accepted} drafts accepted and {law.matched} rejections that "
                f"emitted the reference's draft in {law.reached} rounds, {law.expected:.1f} expected at least "
                f"whatever was drafted (z = {law.z_either:+.1f}): {ENGINE_FEWER}" for law in low]
         out += [f"draft position {law.position}: {law.accepted - law.accepted_other} of {law.reached} drafts accepted, "
                 f"{law.expected:.1f} expected at most whatever was drafted (z = {law.z_same:+.1f}): {ENGINE_MORE}"
-                for law in self._too_many()]
+                for law in high]
         out += [f"draft position {law.position}: {law.matched} of {law.reached - law.accepted} rejections emitted the "
                 f"reference's draft, at most {law.match_bound:.1f} expected with a correct sampler whatever was "
                 f"drafted (P <= {law.emits_tail:.1g}): {ENGINE_EMITS}" for law in emits]
