@@ -8,6 +8,7 @@ One engine per bundle (each start is 15-40 s on 2 cores); tests sharing a bundle
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -161,12 +162,13 @@ def test_parity_exact_on_vllm(vllm, tmp_path, drafter, layout, request):
             assert own == {"rounds": rows[c].rounds, "accepted": rows[c].accepted,
                            "accepted_per_position": rows[c].accepted_per_position}
             batching = rows[c].batching
-            assert batching["source"] == "/metrics samples of vllm:num_requests_running"
+            assert batching["source"].startswith("/metrics samples of vllm:num_requests_running")
             assert batching["in_flight"] == c and sum(batching["histogram"].values()) > 0
-            assert batching["largest"] >= 2, batching  # sampled: how often depends on the machine's load
-            # exact, from the engine's counters: requests verified per engine step
+            # exact, from the engine's counters: requests verified per engine step, whose ceiling some step reached
             per_step = rows[c].rounds / rows[c].runtime_counters["engine_steps"]
-            assert per_step > (2 if c == 4 else 4), (c, per_step, batching)
+            assert batching["counted_largest"] == math.ceil(per_step), (c, per_step, batching)
+            assert batching["largest"] == max(batching["sampled_largest"], batching["counted_largest"])
+            assert batching["largest"] >= (4 if c == 4 else 8), (c, per_step, batching)
 
 
 def test_four_tap_speculators_drafter_runs_exactly(vllm, tmp_path, sources):

@@ -135,3 +135,16 @@ def test_a_repeat_that_differs_fails_naming_the_level_the_repeat_and_the_prompt(
     # half precision without a tie judge: counted, not failed (as the levels are)
     assert compare_repeats([ConcurrencyRow(c, 2, 2, 2, 2, 2, [], 4, 3, [2, 1, 0], 1.75, 1.0, 7) for c in (1, 4)],
                            base, load, exact=False) == []
+
+
+def test_sparse_samples_are_held_against_the_engine_counters():
+    # two reads only, both caught 2 running; the engine verified 192 rounds in 18 steps: a mean of
+    # 10.67 requests a step, so some step verified 11 or more
+    figures = batch_figures(_sampler([(2, 16, 16), (2, 16, 16)], 16), 16, {"rounds": 192, "engine_steps": 18})
+    assert (figures.sampled_largest, figures.counted_largest, figures.largest) == (2, 11, 11)
+    assert "counters" in figures.source
+    # an engine that ran one at a time takes more steps than rounds: the counters prove nothing more
+    serial = batch_figures(_sampler([(1, 4, 4)] * 3, 4), 4, {"rounds": 96, "engine_steps": 104})
+    assert (serial.sampled_largest, serial.counted_largest, serial.largest) == (1, 1, 1)
+    unknown = batch_figures(_sampler([(3, 4, 4)], 4), 4, {"rounds": 96, "engine_steps": None})
+    assert (unknown.counted_largest, unknown.largest) == (None, 3) and "counters" not in unknown.source

@@ -53,7 +53,10 @@ def _batch(row: ConcurrencyRow) -> str:
         return "not measured"
     b = row.batching
     steady = "-" if b.get("steady_mean") is None else f"{b['steady_mean']:.1f}"
-    return f"{b['largest']} / {b['mean']:.1f} / {steady}"
+    largest = str(b["largest"])
+    if b.get("counted_largest") is not None:  # vLLM: say which measurement showed it
+        largest += f" (sampled {b['sampled_largest']}, counted >= {b['counted_largest']})"
+    return f"{largest} / {b['mean']:.1f} / {steady}"
 
 
 def concurrency_plot(rows: list[ConcurrencyRow], runtime: str, tau_reference: float, path: Path, save) -> Path:

@@ -112,11 +112,16 @@ class BatchFigures:
     steady_mean: float | None = None  # mean batch in steady state: prefills aside, while C requests were in flight
     steady_calls: int = 0  # the calls (or samples) steady_mean is over
     in_flight: int = 0  # the most requests in flight at once, as the runtime saw them
+    # vLLM: the largest batch its exact counters prove (ceil of rounds over engine steps: a mean the largest
+    # step reaches at least), beside the largest the sampled gauge saw; `largest` is the larger of the two
+    sampled_largest: int | None = None
+    counted_largest: int | None = None
 
     def to_json(self) -> dict:
         return {"source": self.source, "histogram": {str(k): v for k, v in sorted(self.histogram.items())},
                 "largest": self.largest, "mean": self.mean, "steady_mean": self.steady_mean,
-                "steady_calls": self.steady_calls, "in_flight": self.in_flight}
+                "steady_calls": self.steady_calls, "in_flight": self.in_flight,
+                "sampled_largest": self.sampled_largest, "counted_largest": self.counted_largest}
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import shutil
 import tempfile
@@ -124,7 +125,7 @@ class VllmSpeculator(Speculator):
         counters = {"rounds": pooled.drafts, "accepted": pooled.accepted_tokens,
                     "accepted_per_position": (pooled.accepted_per_position + [0] * depth)[:depth],
                     **engine_deltas(before, after)}
-        batching = batch_figures(sampler, min(concurrency, len(prompts))) if sampler else None
+        batching = batch_figures(sampler, min(concurrency, len(prompts)), counters) if sampler else None
         return ConcurrentRun(results, counters, per_request, batching)
 
     def _metrics(self) -> EngineMetrics:
@@ -174,23 +175,34 @@ def _wait(barrier: threading.Barrier) -> None:
 
 
 BATCH_SOURCE = "/metrics samples of vllm:num_requests_running"
+COUNTED_SOURCE = "; largest also from the engine's counters (at least ceil(rounds / engine steps))"
 
 
-def batch_figures(sampler: RunningSampler, level: int) -> BatchFigures | None:
+def batch_figures(sampler: RunningSampler, level: int, counters: dict | None = None) -> BatchFigures | None:
     """The batch sizes a level's samples saw (parity/concurrency.py fails a level whose largest is 1).
     `mean`: over samples with a request running; `steady_mean`: over samples read while this client
-    had all `level` requests in flight. None where the server has no such gauge or /metrics failed."""
+    had all `level` requests in flight. Samples are sparse on a busy machine, so `largest` is also
+    held against the engine's exact counters: rounds over engine steps is the mean number of requests
+    a step verified, and some step verified at least its ceiling. None where the server has no such
+    gauge or /metrics failed."""
     if sampler.missing or sampler.error or not sampler.samples:
         return None
+    counted = _counted_largest(counters or {})
     busy = [s.running for s in sampler.samples if s.running >= 1]
     steady = [s.running for s in sampler.samples if s.running >= 1 and min(s.in_flight) >= level]
     histogram: dict[int, int] = {}
     for size in busy:
         histogram[size] = histogram.get(size, 0) + 1
-    return BatchFigures(source=BATCH_SOURCE, histogram=histogram, largest=max(busy, default=0),
-                        mean=sum(busy) / len(busy) if busy else 0.0,
+    sampled = max(busy, default=0)
+    return BatchFigures(source=BATCH_SOURCE + (COUNTED_SOURCE if counted else ""), histogram=histogram,
+                        largest=max(sampled, counted or 0), mean=sum(busy) / len(busy) if busy else 0.0,
                         steady_mean=sum(steady) / len(steady) if steady else None, steady_calls=len(steady),
-                        in_flight=sampler.most_in_flight)
+                        in_flight=sampler.most_in_flight, sampled_largest=sampled, counted_largest=counted)
+
+
+def _counted_largest(counters: dict) -> int | None:
+    rounds, steps = counters.get("rounds"), counters.get("engine_steps")
+    return math.ceil(rounds / steps) if rounds and steps else None
 
 
 def engine_deltas(before: EngineMetrics, after: EngineMetrics) -> dict:
