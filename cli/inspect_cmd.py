@@ -22,7 +22,8 @@ def inspect(
     target: Optional[Path] = typer.Option(None, "--target", help="Check the drafter against this target."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Detected format, EAGLE version, canonical config, tapped layers, compatibility; exit 1 when problems are found."""
+    """Detected format, EAGLE version, canonical config, tapped layers, compatibility (with --target: also the
+    rope and positions); exit 1 when problems are found."""
     report = inspect_path(path, target)
     if as_json:
         print_json(report)

@@ -263,6 +263,12 @@ class TargetInfo:
     intermediate_size: int
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
+    rope_theta: float | None = None  # None: the config names none
+    rope_scaling: dict[str, Any] | None = None  # None: the default schedule
+
+    @property
+    def rope(self) -> "Rope":
+        return Rope.of(self.rope_theta, self.rope_scaling)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "TargetInfo":
@@ -294,8 +300,146 @@ class TargetInfo:
         max_positions = text.get("max_position_embeddings")
         if max_positions is not None:
             _require_positive_ints("target", max_position_embeddings=max_positions)
+        theta, scaling = _target_rope(text)
         return cls(model_type=model_type, intermediate_size=intermediate, tie_word_embeddings=bool(tie),
-                   max_position_embeddings=max_positions, **sizes)
+                   max_position_embeddings=max_positions, rope_theta=theta, rope_scaling=scaling, **sizes)
+
+
+def _target_rope(text: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+    """rope_theta and rope_scaling from either spelling: transformers v4's top-level `rope_theta` +
+    `rope_scaling`, or v5's `rope_parameters` (theta, type and scaling fields in one object)."""
+    params = text.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # v5 per-layer-type ropes: the drafter's layer is full attention
+    scaling = text.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"target {key} is {value!r}; expected an object or null")
+    theta = text.get("rope_theta")
+    theta = (params or {}).get("rope_theta") if theta is None else theta
+    if theta is not None:
+        _require_positive_finite("target", rope_theta=theta)
+        theta = float(theta)
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return theta, (scaling if Rope.of(theta, scaling).kind != "default" else None)
+
+
+# The rope_scaling fields each schedule's frequencies depend on (transformers' ROPE_INIT_FUNCTIONS;
+# reference/rope.py implements default, linear, llama3 and yarn). Other keys (a v5 config's
+# partial_rotary_factor, bookkeeping) do not make two ropes differ.
+ROPE_PARAMETERS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("factor", "original_max_position_embeddings", "short_factor", "long_factor", "attention_factor"),
+}
+# What transformers and reference/rope.py use where a yarn config leaves these out, so that a config
+# spelling them out equals one that does not.
+ROPE_DEFAULTS = {"yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}}
+
+
+def _canonical_value(value: Any) -> Any:
+    """Numbers as floats (4096 == 4096.0), lists as tuples, so values compare and hash."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, list):
+        return tuple(_canonical_value(v) for v in value)
+    return value
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "absent"
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else f"{value:g}"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(map(_show, value)) + "]"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A rope in one comparable form, whichever spelling its config used.
+
+    `kind` "default" stands for a missing, null or `"default"` rope_scaling alike; `params` holds the
+    fields `ROPE_PARAMETERS` names for the kind (every field for a kind not listed there), absent
+    ones left out; `theta` None: the config names no rope_theta.
+    """
+
+    kind: str
+    theta: float | None
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, theta: float | None, scaling: dict[str, Any] | None) -> "Rope":
+        scaling = scaling or {}
+        kind = str(scaling.get("rope_type", scaling.get("type")) or "default")
+        names = ROPE_PARAMETERS.get(kind, sorted(k for k in scaling if k not in ("rope_type", "type", "rope_theta")))
+        values = {**ROPE_DEFAULTS.get(kind, {}), **{k: v for k, v in scaling.items() if v is not None}}
+        params = tuple((k, _canonical_value(values[k])) for k in names if k in values)
+        return cls(kind, None if theta is None else float(theta), params)
+
+    def param(self, name: str) -> Any:
+        return dict(self.params).get(name)
+
+    def describe(self) -> str:
+        """"none" for the default schedule, else e.g. "yarn (factor 32, original_max_position_embeddings 4096)"."""
+        if self.kind == "default":
+            return "none"
+        shown = [f"{k} {_show(v)}" for k, v in self.params if ROPE_DEFAULTS.get(self.kind, {}).get(k) != v]
+        return f"{self.kind} ({', '.join(shown)})" if shown else self.kind
+
+
+def rope_differences(drafter: Rope, target: Rope) -> list[str]:
+    """Each way the drafter's rope differs from its target's, as user-facing lines.
+
+    EAGLE trainers (SpecForge, speculators, ModelOpt) give the drafter its target's rope, so a
+    difference is almost always a converter that dropped or misread it: the runtime then rotates the
+    drafter's positions unlike in training and acceptance falls at long context, silently.
+    """
+    problems = []
+    if target.theta is not None and drafter.theta is not None and not math.isclose(drafter.theta, target.theta):
+        problems.append(f"drafter rope_theta is {_show(drafter.theta)} but the target's is {_show(target.theta)}: "
+                        f"{_rotated_differently(None)}")
+    beyond = min((r.param("original_max_position_embeddings") for r in (drafter, target)
+                  if r.param("original_max_position_embeddings")), default=None)
+    if drafter.kind != target.kind:
+        problems.append(f"drafter rope_scaling is {drafter.describe()} but the target's is {target.describe()}: "
+                        f"{_rotated_differently(beyond)}")
+    elif drafter.params != target.params:
+        names = [k for k in dict.fromkeys(k for k, _ in target.params + drafter.params)  # in the kind's order
+                 if drafter.param(k) != target.param(k)]
+        fields = " and ".join(f"{k} (drafter {_show(drafter.param(k))}, target {_show(target.param(k))})"
+                              for k in names)
+        problems.append(f"drafter {drafter.kind} rope_scaling differs from the target's in {fields}: "
+                        f"{_rotated_differently(beyond)}")
+    return problems
+
+
+def _rotated_differently(beyond: float | None) -> str:
+    where = f"positions beyond {_show(beyond)} are" if beyond else "every position is"
+    return (f"{where} rotated differently from what the target's hidden states were trained with, "
+            "which lowers acceptance at long context")
+
+
+def long_context_problems(cfg: DrafterConfig, target: TargetInfo) -> list[str]:
+    """What makes the drafter fall behind its target at long context (docs/drafter-formats.md#rope-and-positions).
+
+    Only `inspect` lists these: the pair still runs, and an export of a drafter that was trained with
+    a rope of its own (or fewer positions) on purpose should not be refused.
+    """
+    problems = rope_differences(Rope.of(cfg.rope_theta, cfg.rope_scaling), target.rope)
+    resolved = with_max_positions(cfg, target)
+    mine, theirs = resolved.max_position_embeddings, target.max_position_embeddings
+    # "target": the drafter's config names none and serves the target's context, so nothing to flag.
+    if resolved.max_position_source != "target" and theirs is not None and mine < theirs:
+        problems.append(f"drafter holds {mine} positions, target {theirs}: a runtime serving the target's context "
+                        "runs the drafter past its positions")
+    return problems
 
 
 def compatibility_problems(cfg: DrafterConfig, target: TargetInfo, d2t_max_target_id: int | None) -> list[str]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from eagle31_export.config import ConfigError, output_to_before_layer, with_max_positions
+from eagle31_export.config import ConfigError, long_context_problems, output_to_before_layer, with_max_positions
 from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, t2d_from_d2t
 from eagle31_export.formats.outputs import check_enclosing_output
@@ -45,6 +45,7 @@ def inspect_drafter(path: Path, target: str | os.PathLike | None) -> dict[str, A
     if target is not None:
         info = read_target_info(target)
         problems += pair_problems(ckpt, info) if not ckpt.problems else []
+        problems += long_context_problems(cfg, info)  # a problem here, but no export refuses the pair for it
         if ids is None and not any("tapped" in p for p in problems):
             try:
                 ids, source = cfg.resolved_aux_layer_ids(info.num_hidden_layers), "default for the target"

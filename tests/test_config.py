@@ -3,11 +3,13 @@ import pytest
 from eagle31_export.config import (
     ConfigError,
     DrafterConfig,
+    Rope,
     TargetInfo,
     before_layer_to_output,
     compatibility_problems,
     default_aux_layer_ids,
     output_to_before_layer,
+    rope_differences,
 )
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -46,3 +48,62 @@ def test_compatibility_problems_name_each_mismatch():
     assert any("vocab_size 256" in p for p in problems)
     assert any("[9]" in p and "out of range" in p for p in problems)
     assert any("target id 400" in p for p in problems)
+
+
+LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=8, vocab_size=256, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=128)
+KIMI_YARN = {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+             "original_max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 50000.0, "rope_scaling": {**KIMI_YARN, "type": "yarn"}},  # transformers v4, older key
+    {"rope_theta": 50000, "rope_scaling": {**KIMI_YARN, "rope_type": "yarn"}},  # transformers v4
+    {"rope_parameters": {"rope_theta": 50000.0, "rope_type": "yarn", **KIMI_YARN}},  # transformers v5
+])
+def test_target_reads_its_rope_in_either_spelling(rope):
+    info = TargetInfo.from_hf_config({**LLAMA, **rope})
+    assert info.rope_theta == 50000.0
+    assert info.rope_scaling.get("rope_type", info.rope_scaling.get("type")) == "yarn"
+    assert "rope_theta" not in info.rope_scaling
+    assert info.rope == Rope("yarn", 50000.0, (("factor", 32.0), ("original_max_position_embeddings", 4096.0),
+                                               ("beta_fast", 1.0), ("beta_slow", 1.0), ("mscale", 1.0),
+                                               ("mscale_all_dim", 1.0), ("truncate", True)))
+
+
+def test_a_default_rope_is_no_rope_scaling_in_every_spelling():
+    v5 = TargetInfo.from_hf_config({**LLAMA, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}})
+    v4 = TargetInfo.from_hf_config({**LLAMA, "rope_theta": 10000.0, "rope_scaling": None})
+    assert v5.rope_scaling is None and v4.rope_scaling is None and v5.rope == v4.rope == Rope("default", 10000.0)
+    unnamed = TargetInfo.from_hf_config(LLAMA)
+    assert (unnamed.rope_theta, unnamed.rope_scaling) == (None, None)
+
+
+def test_a_per_layer_type_rope_is_read_from_full_attention():
+    layered = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    info = TargetInfo.from_hf_config({**LLAMA, "rope_parameters": layered})
+    assert info.rope == Rope("linear", 1e6, (("factor", 8.0),))
+
+
+def test_a_malformed_target_rope_is_refused_by_name():
+    with pytest.raises(ConfigError, match="target rope_scaling is 'yarn'"):
+        TargetInfo.from_hf_config({**LLAMA, "rope_scaling": "yarn"})
+    with pytest.raises(ConfigError, match="target rope_theta is -1"):
+        TargetInfo.from_hf_config({**LLAMA, "rope_theta": -1})
+
+
+def test_rope_differences_name_each_field_with_both_values():
+    target = Rope.of(10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    drafter = Rope.of(10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                                "original_max_position_embeddings": 8192})
+    (line,) = rope_differences(drafter, target)
+    assert line.startswith("drafter llama3 rope_scaling differs from the target's in low_freq_factor "
+                           "(drafter 2, target 1) and high_freq_factor (drafter absent, target 4): "
+                           "positions beyond 8192 are rotated differently")
+
+
+def test_an_unknown_target_theta_is_not_compared():
+    assert rope_differences(Rope.of(10000.0, None), Rope.of(None, None)) == []
+    assert rope_differences(Rope.of(10000.0, None), Rope.of(10000.0, {"type": "default", "factor": 2})) == []

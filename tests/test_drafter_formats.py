@@ -279,3 +279,61 @@ def test_consumer_layouts(llama_info):
     assert consumer_layout("trtllm", mla) == ("trtllm", None)
     with pytest.raises(CheckpointError, match="unknown serving runtime"):
         consumer_layout("tgi", plain)
+
+
+def _layer_config(config):
+    """The dict of a drafter config.json that holds the layer keys (speculators nests them)."""
+    return config.get("transformer_layer_config", config)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_rope_parameters_of_transformers_v5_become_the_rope_scaling(tmp_path, llama_info, fmt):
+    """A drafter whose config spells its rope the transformers-v5 way (`rope_parameters`: theta, type
+    and scaling fields in one object) keeps its yarn: read as that rope_scaling, then written back as
+    rope_scaling by every format; a rope_type of "default" is no scaling. Reading only the theta would
+    drop the yarn silently, as the converter of vllm-project/speculators PR 574 did."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    folder = write_drafter(random_drafter(drafter_config_for(llama_info, fc_norm=True, norm_output=True)),
+                           tmp_path / "v5", fmt)
+    config = json.loads((folder / "config.json").read_text())
+    layer = _layer_config(config)
+    assert "rope_theta" in layer and layer.get("rope_scaling") is None
+    del layer["rope_theta"], layer["rope_scaling"]
+    layer["rope_parameters"] = {"rope_theta": 50000.0, **yarn}
+    (folder / "config.json").write_text(json.dumps(config))
+
+    ckpt = read_drafter(folder)
+    assert ckpt.config.rope_theta == 50000.0
+    assert ckpt.config.rope_scaling == yarn
+    assert ckpt.unknown_config_keys == []
+    for dst in ALL:  # and every writer writes it back
+        written = json.loads((write_drafter(ckpt, tmp_path / f"to-{dst}", dst) / "config.json").read_text())
+        assert _layer_config(written)["rope_scaling"] == yarn, dst
+        assert _layer_config(written)["rope_theta"] == 50000.0, dst
+        assert read_drafter(tmp_path / f"to-{dst}").config.rope_scaling == yarn, dst
+
+    layer["rope_parameters"] = {"rope_theta": 50000.0, "rope_type": "default"}
+    (folder / "config.json").write_text(json.dumps(config))
+    ckpt = read_drafter(folder)
+    assert ckpt.config.rope_scaling is None and ckpt.config.rope_theta == 50000.0
+
+
+def test_rope_scaling_wins_over_rope_parameters_and_per_layer_type_ropes_read_full_attention(tmp_path, llama_info):
+    """Both spellings given: transformers v4 reads `rope_scaling`. v5's per-layer-type form
+    (`rope_parameters: {"full_attention": {...}, "sliding_attention": {...}}`): the drafter's layer is
+    full attention."""
+    folder = write_drafter(random_drafter(drafter_config_for(llama_info)), tmp_path / "d", "specforge")
+    config = json.loads((folder / "config.json").read_text())
+    linear = {"type": "linear", "factor": 2.0}
+    config.update(rope_scaling=linear, rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", "factor": 8.0})
+    (folder / "config.json").write_text(json.dumps(config))
+    assert read_drafter(folder).config.rope_scaling == linear
+    del config["rope_scaling"], config["rope_theta"]
+    config["rope_parameters"] = {
+        "full_attention": {"rope_theta": 1000000.0, "rope_type": "yarn", "factor": 8.0,
+                           "original_max_position_embeddings": 4096},
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = read_drafter(folder).config
+    assert cfg.rope_theta == 1000000.0
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096}

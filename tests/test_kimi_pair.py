@@ -196,13 +196,18 @@ def test_committed_example_inspects_clean_with_max_positions_from_the_target(cli
     for folder in (TARGET, TARGET_NVFP4):
         code, out, err = cli("inspect", folder, "--json")
         assert code == 0 and json.loads(out)["problems"] == [], (folder, err)
+    for drafter in (DRAFTER, DRAFTER3):  # both drafters' rope (yarn 64 over 4096) is both targets'
+        for target in (TARGET, TARGET_NVFP4):
+            code, out, err = cli("inspect", drafter, "--target", target, "--json")
+            assert code == 0 and json.loads(out)["problems"] == [], (drafter.name, target.name, out, err)
     code, out, _ = cli("inspect", DRAFTER, "--target", TARGET_NVFP4, "--json")
     report = json.loads(out)
     assert code == 0 and report["problems"] == []
     assert report["config"]["attention"] == "mla" and report["eagle_version"] == "3.1"
     assert report["tapped_layers"]["output_of_layer"] == [1, 3, 4]  # {1, N//2-1, N-4}, as [1, 29, 57] for 61
     assert "max_position_embeddings" not in json.loads((DRAFTER / "config.json").read_text())
-    assert report["config"]["max_position_embeddings"] == 131072 == read_target_config(TARGET)["max_position_embeddings"]
+    # Kimi-K2-Instruct-0905's context (yarn 4096 x 64), the rope the drafter's config states
+    assert report["config"]["max_position_embeddings"] == 262144 == read_target_config(TARGET)["max_position_embeddings"]
     assert report["config"]["max_position_source"] == "target" and "from the target" in report["max_positions"]
     code, out, _ = cli("inspect", DRAFTER, "--json")
     assert json.loads(out)["config"]["max_position_source"] == "rope_scaling"  # 4096 * 64, without a target
@@ -219,13 +224,13 @@ def test_committed_example_exports(cli, tmp_path):
         assert code == 0, (kind, err)
     meta = json.loads((tmp_path / "onnx" / "graphs.json").read_text())
     assert "target" not in meta and "kimi_k2" in meta["no_target_graph"]  # an MoE target: drafter graphs only
-    assert meta["drafter"]["max_positions"] == 131072  # from the target, not 2048
+    assert meta["drafter"]["max_positions"] == 262144  # from the target, not 2048
     for role in ("first", "next", "chain"):
         graph = onnx.load(str(tmp_path / "onnx" / f"drafter_{role}.onnx"), load_external_data=False)
         assert any(n.domain == DOMAIN for n in graph.graph.node), role  # fused fc_norm / post-norm plugin nodes
     for kind in ("trtllm", "vllm", "sglang"):
         cfg = json.loads((tmp_path / kind / "drafter" / "config.json").read_text())
-        assert cfg["max_position_embeddings"] == 131072 and cfg["kv_lora_rank"] == 512, kind  # vLLM CPU MLA: 512 + 64
+        assert cfg["max_position_embeddings"] == 262144 and cfg["kv_lora_rank"] == 512, kind  # vLLM CPU MLA: 512 + 64
     code, _, err = cli("export", "triton", "--bundle", tmp_path / "trtllm", "--out", tmp_path / "repo", "--flavor", "cpu")
     assert code == 0, err
 
@@ -449,4 +454,4 @@ def test_published_kimi_k2_configs_at_full_size_on_the_meta_device():
     target = TargetInfo.from_hf_config(MAKE.PUBLISHED_TARGET)
     assert cfg.resolved_aux_layer_ids(target.num_hidden_layers) == (1, 29, 57)
     assert cfg.max_position_source == "default"
-    assert with_max_positions(cfg, target).max_position_embeddings == 131072
+    assert with_max_positions(cfg, target).max_position_embeddings == 262144

@@ -6,8 +6,9 @@
 Every config key and tensor name is the published one (docs/drafter-formats.md#mla-drafter,
 docs/nvfp4.md#published-nvfp4-moe-targets); only sizes are scaled down:
 
-- `target/`: a Kimi K2 target as moonshotai publishes it: `model_type: kimi_k2`, architecture
-  `DeepseekV3ForCausalLM` (with its `auto_map`, never executed), MLA attention, yarn rope, layer 0
+- `target/`: a Kimi K2 target as moonshotai publishes it (Kimi-K2-Instruct-0905's config):
+  `model_type: kimi_k2`, architecture `DeepseekV3ForCausalLM` (with its `auto_map`, never executed),
+  MLA attention, yarn rope (factor 64 over 4096 positions, the drafters' own), layer 0
   dense (`first_k_dense_replace: 1`), then MoE layers with a sigmoid `noaux_tc` router
   (`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`), routed experts stored one by one
   (`mlp.experts.E.{gate,up,down}_proj`) and a shared expert; bf16.
@@ -40,9 +41,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# moonshotai/Kimi-K2-Instruct config.json (ai-dynamo/aiconfigurator
-# aic-core/src/aiconfigurator_core/model_configs/moonshotai--Kimi-K2-Instruct_config.json), without
-# the FP8 `quantization_config` of that release: the bf16 copy here is unquantized.
+# moonshotai/Kimi-K2-Instruct-0905 config.json: moonshotai/Kimi-K2-Instruct's (ai-dynamo/aiconfigurator
+# aic-core/src/aiconfigurator_core/model_configs/moonshotai--Kimi-K2-Instruct_config.json) with the
+# 0905 release's 256K context, yarn factor 64 over 4096 positions = max_position_embeddings 262144
+# (its rope_scaling as ParagEkbote/hf-model-inspector model_inspection_report.md reads it from the
+# Hub: beta_fast 1.0, beta_slow 1.0, factor 64.0, mscale 1.0, mscale_all_dim 1.0,
+# original_max_position_embeddings 4096, yarn), the rope the drafter below was trained with; without
+# the FP8 `quantization_config` of that release: the bf16 copy here is unquantized. The K2.5/K2.6
+# text_config (aiconfigurator nvidia--Kimi-K2.6-NVFP4_config.json) has the same factor and 262144
+# positions but yarn beta_fast 32.0, which TorchSpec's drafter config does not state (1.0).
 PUBLISHED_TARGET = {
     "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
@@ -50,12 +57,12 @@ PUBLISHED_TARGET = {
                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
     "aux_loss_alpha": 0.001, "bos_token_id": 163584, "eos_token_id": 163585, "first_k_dense_replace": 1,
     "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
-    "kv_lora_rank": 512, "max_position_embeddings": 131072, "model_type": "kimi_k2", "moe_intermediate_size": 2048,
+    "kv_lora_rank": 512, "max_position_embeddings": 262144, "model_type": "kimi_k2", "moe_intermediate_size": 2048,
     "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384, "n_shared_experts": 1, "norm_topk_prob": True,
     "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 64,
     "num_nextn_predict_layers": 0, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 50000.0, "routed_scaling_factor": 2.827,
-    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                      "original_max_position_embeddings": 4096, "type": "yarn"},
     "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1,
     "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.48.3", "use_cache": True,

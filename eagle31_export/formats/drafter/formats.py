@@ -92,14 +92,33 @@ def _object(c: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
+def _rope_scaling(c: dict[str, Any], rope_parameters: dict[str, Any]) -> dict[str, Any] | None:
+    """The drafter's rope_scaling from either spelling: transformers v4's `rope_scaling`, or v5's
+    `rope_parameters` (theta, `rope_type` and the scaling fields in one object; a `rope_type` of
+    "default" or none is no scaling). Both given: `rope_scaling`, as transformers v4 reads it.
+
+    Reading only `rope_theta` from `rope_parameters` would drop a yarn / llama3 schedule silently and
+    every writer would then write the drafter without it (vllm-project/speculators PR 574)."""
+    rope_scaling = c.get("rope_scaling")
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise CheckpointError(f"rope_scaling is {rope_scaling!r}; expected an object or null")
+    if rope_scaling is not None or not rope_parameters:
+        return rope_scaling
+    scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind is not None and not isinstance(kind, str):
+        raise CheckpointError(f"rope_parameters.rope_type is {kind!r}; expected a string")
+    return scaling if kind not in (None, "default") else None
+
+
 def llama_fields(c: dict[str, Any]) -> dict[str, Any]:
     """Canonical fields from a Llama/DeepSeek-style flat config."""
     heads = _int(c, "num_attention_heads")
     hidden = _int(c, "hidden_size")
     rope_parameters = _object(c, "rope_parameters")
-    rope_scaling = c.get("rope_scaling")
-    if rope_scaling is not None and not isinstance(rope_scaling, dict):
-        raise CheckpointError(f"rope_scaling is {rope_scaling!r}; expected an object or null")
+    if isinstance(rope_parameters.get("full_attention"), dict):  # v5 per-layer-type ropes: the drafter's
+        rope_parameters = rope_parameters["full_attention"]         # layer is full attention
+    rope_scaling = _rope_scaling(c, rope_parameters)
     out = dict(
         hidden_size=hidden,
         intermediate_size=_int(c, "intermediate_size"),
