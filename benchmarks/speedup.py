@@ -18,7 +18,8 @@ For each C the prompts are sent with C requests in flight; the two sides take tu
 repeat, so drift hits both alike.
 
 Printed per C: the median output tokens/s of each side with the mean batch it ran at (sequences per
-backend call over every call of a measurement, median over the repeats; vLLM: not measured), their
+backend call over every call of a measurement, median over the repeats; vLLM: requests advanced per
+engine step, from its /metrics counters), their
 ratio (and its range over the repeats), a note where the two mean batches differ by more than 10 %,
 and the bound the ratio compares with, measured in the same run: tau, the tokens each target
 forward made (1 + accepted drafts / rounds; vLLM: from its own /metrics counters), which is the
@@ -74,7 +75,7 @@ def timed(run, prompts: list[list[int]], concurrency: int) -> tuple[float, list]
 def vllm_engines(args, drafter: Path, target: Path, tmp: Path, stack: ExitStack) -> dict:
     """Each engine as `measure(prompts, C) -> (seconds, output tokens, rounds, accepted drafts, every
     prompt's tokens, mean batch or None)`: vLLM with the drafter and without, rounds and accepted
-    drafts from its own /metrics counters; its batch sizes are not measured here."""
+    drafts from its own /metrics counters, the mean batch from its engine steps (`requests_per_step`)."""
     from eagle31_export.export.bundle import read_bundle
     from eagle31_export.export.vllm import export_vllm
     from eagle31_export.runtime.registry import LoadOptions
@@ -91,15 +92,30 @@ def vllm_engines(args, drafter: Path, target: Path, tmp: Path, stack: ExitStack)
         client = VllmClient(server.url)
 
         def measure(prompts, c):
-            before = client.spec_counters()
+            before = client.metrics()
             seconds, done = timed(lambda p: client.complete(p, args.max_new_tokens), prompts, c)
-            after = client.spec_counters()
-            moved = (after - before) if after is not None else None
-            return (seconds, sum(len(d.tokens) for d in done), moved.drafts if moved else 0,
-                    moved.accepted_tokens if moved else 0, [d.tokens for d in done], None)
+            after = client.metrics()
+            moved = (after.spec - before.spec) if after.spec is not None else None
+            rounds = moved.drafts if moved else 0
+            return (seconds, sum(len(d.tokens) for d in done), rounds, moved.accepted_tokens if moved else 0,
+                    [d.tokens for d in done], requests_per_step(before, after, rounds, len(prompts)))
         return measure
 
     return {"label": install.describe(), "speculation": engine(True), "target alone": engine(False)}
+
+
+def requests_per_step(before, after, rounds: int, prompts: int) -> float | None:
+    """vLLM's mean batch, from its exact counters: requests advanced per engine step. A step advances a
+    request by one token without speculation (its generation_tokens) and by one round with it, plus
+    the step that prefills each request and makes its first token (rounds + prompts)."""
+    steps = None if after.steps is None or before.steps is None else after.steps - before.steps
+    if not steps:
+        return None
+    if rounds:
+        return (rounds + prompts) / steps
+    if after.generated is None or before.generated is None:
+        return None
+    return (after.generated - before.generated) / steps
 
 
 def onnxruntime_engines(args, drafter: Path, target: Path, tmp: Path, stack: ExitStack) -> dict:

@@ -59,6 +59,10 @@ vllm:iteration_tokens_total_count{engine="0",model_name="target"} 30.0
 vllm:iteration_tokens_total_sum{engine="0",model_name="target"} 411.0
 vllm:iteration_tokens_total_count{engine="1",model_name="target"} 4.0
 vllm:iteration_tokens_total_sum{engine="1",model_name="target"} 9.0
+# HELP vllm:generation_tokens Number of generation tokens processed.
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{engine="0",model_name="target"} 93.0
+vllm:generation_tokens_total{engine="1",model_name="target"} 7.0
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0"} 1.0
@@ -81,7 +85,7 @@ def test_engine_metrics():
     m = parse_engine_metrics(PAGE)
     assert (m.running, m.waiting, m.prefix_cache_hits, m.prefix_cache_queries, m.steps) == (4, 2, 256, 700, 34)
     assert m.cache_info["block_size"] == "128" and m.cache_info["enable_prefix_caching"] == "True"
-    assert m.spec.drafts == 42
+    assert m.spec.drafts == 42 and m.generated == 100
 
 
 def test_families_filter_keeps_the_named_metrics_only():

@@ -43,6 +43,7 @@ SPEC_PREFIX = "vllm:spec_decode_"
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 CACHE_HITS, CACHE_QUERIES = "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"
 STEPS = "vllm:iteration_tokens_total"  # histogram: one observation per engine step
+GENERATED = "vllm:generation_tokens"  # counter: tokens the engine's steps produced
 CACHE_INFO = "vllm:cache_config_info"
 _SPEC_FIELDS = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens", "num_accepted_tokens": "accepted_tokens"}
 
@@ -139,6 +140,7 @@ class EngineMetrics:
     prefix_cache_queries: int | None  # tokens looked up in it
     steps: int | None  # engine steps that produced output (vllm:iteration_tokens_total's count)
     cache_info: dict  # vllm:cache_config_info's labels (the first engine's); {} where absent
+    generated: int | None = None  # output tokens the engine produced (vllm:generation_tokens)
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -146,7 +148,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     info = samples.get(CACHE_INFO) or [({}, 0.0)]
     return EngineMetrics(_spec_counters(samples), _total(samples, RUNNING), _total(samples, WAITING),
                          _total(samples, CACHE_HITS), _total(samples, CACHE_QUERIES),
-                         _total(samples, f"{STEPS}_count"), info[0][0])
+                         _total(samples, f"{STEPS}_count"), info[0][0], _total(samples, GENERATED))
 
 
 @dataclass
