@@ -74,6 +74,15 @@ def _render(console: Console, result) -> None:
     console.print(_by_depth_table("teacher-forced agreement by draft position (on held-out real text where the "
                                   "pair has it: free of the repetition a tiny target's own greedy text shows)",
                                   DEPTHS, result.agreement))
+    if result.context_taus:
+        lengths = sorted({n for by_length in result.context_taus.values() for n in by_length})
+        table = Table(title="tau by context length (depth 3, one held-out prompt a length; the pair stretched to "
+                            "32768 positions by yarn, not fine-tuned there: tau_by_context.png)")
+        for col in ("drafter", *map(str, lengths)):
+            table.add_column(col)
+        for label, by_length in result.context_taus.items():
+            table.add_row(label, *(f"{by_length[n]:.2f}" for n in lengths))
+        console.print(table)
     console.print(f"artifacts, parity report and plots in {result.out}")
 
 

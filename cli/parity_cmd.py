@@ -72,17 +72,23 @@ def parity(
     repeat: int = typer.Option(0, "--repeat", min=0, max=100, help="Send the prompts N more times at each "
                                "concurrency level; every send must equal the first (an engine's prefix cache "
                                "serves the later ones: vllm reports its hits)."),
+    context: Optional[str] = typer.Option(None, "--context", help="Prompt lengths in tokens, such as "
+                                          "1024,4096,16384: prompts built to each from held-out text (2 a length), "
+                                          "acceptance compared by length; failing only at the longer lengths names "
+                                          "rope or positions."),
 ) -> None:
     """Run reference and runtime on the same prompts; compare tokens, drafts, acceptance."""
     from eagle31_export.parity.report import markdown, write_report
 
     from eagle31_export.formats.outputs import check_output
     from eagle31_export.parity.concurrency import parse_levels
+    from eagle31_export.parity.context import parse_lengths
     from eagle31_export.parity.evidence import EXIT_INCONCLUSIVE
     from eagle31_export.parity.sides import check_parity
 
     inputs = [bundle, drafter, target, capture, prompts]
     levels = parse_levels(concurrency)
+    lengths = parse_lengths(context)
     if out is not None:
         check_output(out, force, inputs)  # before the run, not after it
     with ProgressDisplay(f"parity vs {runtime}") as display:
@@ -92,7 +98,7 @@ def parity(
                               runtime_options={"dtype": parse_dtype(runtime_dtype) if runtime_dtype else None,
                                                **vllm_options(vllm, port, engine_timeout)},
                               concurrency=levels, repeat=repeat, top_p=top_p, top_k=top_k,
-                              sampling_rule=sampling_rule)
+                              sampling_rule=sampling_rule, context=lengths)
         if out is not None:
             with phases.phase("write"):  # report.json holds the timings up to here; stdout's also this one
                 write_report(report, out, force=force, inputs=inputs)

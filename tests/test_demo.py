@@ -26,8 +26,14 @@ def test_demo_writes_every_artifact_and_a_passing_parity_report(cli, tmp_path):
         assert "parity, vLLM (a real engine) vs PyTorch reference" in stdout and "PASS" in stdout
     else:
         assert "parity, vLLM vs PyTorch reference: skipped: no vLLM found" in " ".join(stdout.split())
-    for png in ("tau_by_depth.png", "parity/acceptance_by_position.png", "parity/tau_vs_context.png"):
+    for png in ("tau_by_depth.png", "parity/acceptance_by_position.png", "parity/tau_vs_context.png",
+                "tau_by_context.png"):
         assert (out / png).stat().st_size > 5000, png
+    by_context = json.loads((out / "tau_by_context.json").read_text())["tau_by_context"]
+    assert sorted(by_context) == ["EAGLE 3.1", "EAGLE-3"]
+    assert all(sorted(map(int, v)) == [1024, 2048, 4096, 8192] and all(t >= 1 for t in v.values())
+               for v in by_context.values())
+    assert "tau by context length" in " ".join(stdout.split())
     rows = {(r["target"], r["drafter"]): r for r in json.loads((out / "tau.json").read_text())}
     assert rows[("target", "EAGLE 3.1")]["tau_by_depth"]["3"] >= 2.2
     assert len(rows[("target-nvfp4", "EAGLE-3")]["teacher_forced_agreement"]) == 6

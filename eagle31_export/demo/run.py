@@ -1,5 +1,6 @@
 """The demo: an embedded pair through inspect, NVFP4, every export that runs here, parity on
-ONNX Runtime, and EAGLE-3 vs EAGLE 3.1 acceptance at depths 1..6.
+ONNX Runtime, EAGLE-3 vs EAGLE 3.1 acceptance at depths 1..6, and (a pair with text) by context
+length over the pair stretched to long context (demo/long_pair.py).
 
 The library only computes and writes files; `cli/demo_cmd.py` draws the progress and tables.
 """
@@ -11,19 +12,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from eagle31_export.demo.long_pair import POSITIONS, write_long_context_pair
 from eagle31_export.demo.pair import DRAFTERS, TARGET, TARGET_NVFP4, EmbeddedPair
 from eagle31_export.errors import MissingRuntimeError
 from eagle31_export.formats.outputs import atomic_output_dir
 from eagle31_export.inspection import inspect_path
 from eagle31_export.parity.acceptance import tau_by_depth, teacher_forced_agreement
 from eagle31_export.parity.compare import ParityReport, run_parity
+from eagle31_export.parity.context import context_prompts
 from eagle31_export.parity.report import write_report
 from eagle31_export.runtime.registry import PairSource, load_speculator
 
 DEPTHS = range(1, 7)
 PROMPTS = 8
 NEW_TOKENS = 32
-STEPS = 7  # progress units: inspect, exports, parity, vLLM, and one per measured (target, drafter)
+CONTEXT = (1024, 2048, 4096, 8192)  # tau by context: one held-out prompt a length, depth 3
+STEPS = 8  # progress units: inspect, exports, parity, vLLM, one per measured (target, drafter), context
 
 
 @dataclass
@@ -35,6 +39,7 @@ class DemoResult:
     vllm: ParityReport | str  # parity against a real vLLM engine, or why it did not run
     taus: dict[tuple[str, str], dict[int, float]]
     agreement: dict[tuple[str, str], list[float]]
+    context_taus: dict[str, dict[int, float]]  # drafter -> context length -> tau ({}: a pair without text)
 
 
 def run_demo(out: Path, pair_dir: Path, force: bool = True,
@@ -74,7 +79,29 @@ def run_demo(out: Path, pair_dir: Path, force: bool = True,
                                                   for (t, d), v in taus.items()], indent=2) + "\n")
         _plot_taus(taus, tmp / "tau_by_depth.png",
                    f"{pair.name} pair, {'held-out text' if pair.has_text else 'its prompts'}, greedy")
-    return DemoResult(out, reports, exports, parity, vllm, taus, agreement)
+        context_taus = _tau_by_context(pair, tmp) if pair.has_text else {}
+        advance("context", 1)
+    return DemoResult(out, reports, exports, parity, vllm, taus, agreement, context_taus)
+
+
+def _tau_by_context(pair: EmbeddedPair, tmp: Path) -> dict[str, dict[int, float]]:
+    """Each drafter's tau at each CONTEXT length, over the pair stretched to long context (yarn); written
+    to tau_by_context.json and drawn. The stretched pair is not fine-tuned there (demo/long_pair.py)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="eagle31-long-pair-") as work:
+        long = write_long_context_pair(pair.folder, Path(work), "yarn")
+        vocab = json.loads((long / TARGET / "config.json").read_text())["vocab_size"]
+        prompts = context_prompts(long / TARGET, CONTEXT, vocab, POSITIONS, NEW_TOKENS + 4, count=1)
+        taus = {}
+        for label, folder in DRAFTERS.items():
+            speculator = load_speculator("reference", PairSource.of(long / folder, long / TARGET))
+            taus[label] = {len(p): speculator.run(p, NEW_TOKENS, 3).acceptance_length for p in prompts}
+    (tmp / "tau_by_context.json").write_text(json.dumps(
+        {"rope": "yarn, factor 32 over 1024 positions", "depth": 3, "new_tokens": NEW_TOKENS,
+         "tau_by_context": taus}, indent=2) + "\n")
+    _plot_context(taus, tmp / "tau_by_context.png")
+    return taus
 
 
 def _vllm_parity(reference, drafter: Path, target: Path, bundle: Path, prompts) -> ParityReport | str:
@@ -128,6 +155,24 @@ def _exports(drafter: Path, target: Path, tmp: Path) -> dict[str, str]:
     except MissingRuntimeError as err:
         done["engines"] = f"skipped: {err}"
     return done
+
+
+def _plot_context(taus: dict[str, dict[int, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, by_length in taus.items():
+        ax.plot(list(by_length), list(by_length.values()), "o-", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="context (prompt tokens)", ylabel="tau (tokens per target forward)", xticks=list(CONTEXT),
+           xticklabels=[str(n) for n in CONTEXT], title="Acceptance by context (tiny pair, yarn x32, depth 3)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _plot_taus(taus: dict, path: Path, title: str) -> None:

@@ -28,6 +28,7 @@ from eagle31_export.errors import UserError
 from eagle31_export.parity.concurrency import (
     ConcurrencyRow, Judge, LoadRuns, check_runtime_serves, compare_levels, compare_repeats, run_levels,
 )
+from eagle31_export.parity.context import ContextRow
 from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
 from eagle31_export.parity.evidence import inconclusive_reasons
 from eagle31_export.parity.sampling import SamplingCheck, check_sampled
@@ -110,6 +111,7 @@ class ParityReport:
     sampling: Sampling | None = None  # temperature > 0: what both sides sampled from, and by which rule
     sampled: SamplingCheck | None = None  # greedy-drafts rule: (a) drafts exact and (b) acceptance law (parity/sampling.py)
     sampling_rule_basis: str | None = None  # how the runtime's rule is known (set, observed, stated)
+    context: list[ContextRow] = field(default_factory=list)  # --context: acceptance by prompt length
 
     @property
     def passed(self) -> bool:
@@ -183,6 +185,7 @@ class ParityReport:
                 "sampling": None if self.sampling is None else {**self.sampling.to_json(),
                                                                 "rule_basis": self.sampling_rule_basis},
                 "sampled_check": None if self.sampled is None else self.sampled.to_json(),
+                "context": [row.to_json() for row in self.context],
                 "timings": self.timings}
 
 

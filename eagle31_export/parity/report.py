@@ -8,6 +8,7 @@ from pathlib import Path
 from eagle31_export.formats.outputs import atomic_output_dir
 from eagle31_export.parity.compare import ParityReport
 from eagle31_export.parity.concurrency_report import concurrency_lines, concurrency_plot
+from eagle31_export.parity.context import context_lines, context_plot
 
 
 def write_report(report: ParityReport, folder: Path, force: bool = False, inputs=()) -> list[Path]:
@@ -62,12 +63,14 @@ def markdown(report: ParityReport) -> str:
     lines += sampled_lines(report)
     lines += tie_lines(report)
     lines += per_depth_lines(report)
+    lines += context_lines(report.context, report.runtime)
     lines += concurrency_lines(report.concurrency, report.runtime, report.tau("reference"))
     lines += repeat_lines(report)
     lines += ["Thresholds: " + ", ".join(f"{k}={v}" for k, v in report.to_json()["thresholds"].items()),
               "", "Plots: `acceptance_by_position.png`, `tau_per_prompt.png`, `tau_vs_context.png`"
               + (", `per_depth.png`" if report.per_depth else "")
               + (", `tau_by_concurrency.png`" if report.concurrency else "")
+              + (", `tau_by_context.png`" if report.context else "")
               + (", `sampled_acceptance.png`" if report.sampled else "") + ".", ""]
     return "\n".join(lines)
 
@@ -245,6 +248,8 @@ def plots(report: ParityReport, folder: Path) -> list[Path]:
                                       folder / "tau_by_concurrency.png", _save))
     if report.sampled is not None:
         paths.append(_sampled_plot(report, folder / "sampled_acceptance.png"))
+    if report.context:
+        paths.append(context_plot(report.context, report.runtime, folder / "tau_by_context.png", _save))
     return paths
 
 

@@ -19,16 +19,21 @@ import torch
 
 from eagle31_export.errors import UserError
 from eagle31_export.formats.outputs import MANIFEST, check_artifacts, check_consumed
+from eagle31_export.formats.drafter.checkpoint import read_drafter
 from eagle31_export.formats.prompts import read_prompts
 from eagle31_export.formats.target.checkpoint import read_target_info
 from eagle31_export.parity.compare import MODES, ParityReport, Thresholds, run_parity, run_parity_in_turn
 from eagle31_export.parity.concurrency import check_repeat
+from eagle31_export.parity.context import (
+    PROMPTS_PER_LENGTH, context_prompts, context_rows, long_context_failure, served_drafter, served_rope_differences,
+)
 from eagle31_export.parity.prompts import bundle_sources, capture_prompts, default_prompts  # noqa: F401
 from eagle31_export.progress import Phases
 from eagle31_export.reference.speculate import Sampling
 from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator, resolve_device, runtime_named
 
 
+PER_DEPTH_POSITIONS = 8  # positions per prompt of parity's per-depth measurement (parity/diagnose.py)
 # runtimes that ask a server at --url what dtype it computes in, where --runtime-dtype is not given
 ASKS_SERVER_DTYPE = ("vllm",)
 
@@ -53,7 +58,8 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
                  progress=None, mode: str | None = None, capture: Path | None = None,
                  act_quant: bool = False, device: str = "cpu", runtime_options: dict | None = None,
                  concurrency: tuple[int, ...] = (1,), repeat: int = 0, top_p: float = 1.0, top_k: int = 0,
-                 sampling_rule: str | None = None) -> ParityReport:
+                 sampling_rule: str | None = None, context: tuple[int, ...] = (),
+                 per_length: int = PROMPTS_PER_LENGTH) -> ParityReport:
     """The whole parity check: both sides from the registry, the prompts, the comparison.
     At `temperature` > 0: `top_p`, `top_k` and `sampling_rule` (reference/speculate.py: SAMPLING_RULES;
     None: the runtime's own) say what both sides sample by.
@@ -68,7 +74,9 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     `concurrency`: the levels C at which the runtime also serves every prompt with C requests in
     flight (parity/concurrency.py); `repeat`: every level sent that many more times, each send
     compared with the first (with the default prompts, each then opens with the same
-    REPEAT_OPENING tokens, so that an engine's prefix cache has whole blocks to serve)."""
+    REPEAT_OPENING tokens, so that an engine's prefix cache has whole blocks to serve). `context`: prompt
+    lengths in tokens (parity/context.py): `per_length` prompts are built to each, and the report
+    compares acceptance by length."""
     runtime_named(runtime)  # an unknown name fails before anything loads
     sampling = _sampling_args(temperature, top_p, top_k, sampling_rule)
     resolve_device(device, runtime)  # and so does a device either side cannot use
@@ -82,6 +90,8 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     if bundle is not None:
         check_bundle(bundle, drafter, target or capture)
     check_consumed(capture)  # a capture is an output of ours too: a changed byte is refused before it is read
+    if context and (capture is not None or prompts_file is not None):
+        raise UserError("--context builds its own prompts to each length: drop --prompts and --capture, or --context")
     if capture is not None:
         if act_quant:
             raise UserError("--act-quant changes how the target computes; a capture holds what it computed: "
@@ -94,19 +104,44 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     if drafter is None or target is None:
         raise UserError("parity needs the reference pair: pass --drafter D --target T "
                         "(or a bundle that records where it was exported from)")
-    vocab = read_target_info(target).vocab_size
+    info = read_target_info(target)
+    vocab = info.vocab_size
     # under load, enough prompts by default that the highest level really has C requests in flight
     count = max(8, *concurrency)
     prompts = read_prompts(prompts_file, target, vocab) if prompts_file else default_prompts(vocab, count)
-    if repeat and not prompts_file:
-        prompts = _with_opening(prompts, vocab, read_target_info(target).max_position_embeddings,
+    if context:
+        room = max_new_tokens + depth + 1
+        prompts = context_prompts(target, context, vocab, info.max_position_embeddings, room, per_length)
+        runtime_options["max_context"] = context[-1] + room
+    elif repeat and not prompts_file:
+        prompts = _with_opening(prompts, vocab, info.max_position_embeddings,
                                 max_new_tokens + depth + 1)
     # the reference reads NVFP4 scales as the engine compared with does (formats/nvfp4/scheme.py: NVFP4_SEMANTICS)
     options = LoadOptions(dtype=torch.float32, act_quant=act_quant, device=device,
                           nvfp4_semantics=runtime_named(runtime).nvfp4_semantics)
-    return _run_sides(runtime, PairSource.of(drafter, target), PairSource.of(drafter, target, bundle, url), options,
-                      prompts, depth, max_new_tokens, temperature, seed, mode, phases, runtime_options, concurrency,
-                      repeat, sampling)
+    # --context: acceptance by length is the measurement; the per-depth one (teacher-forced, both sides)
+    # would run again over every long prompt and is left to a parity run at short prompts
+    report = _run_sides(runtime, PairSource.of(drafter, target), PairSource.of(drafter, target, bundle, url),
+                        options, prompts, depth, max_new_tokens, temperature, seed, mode, phases, runtime_options,
+                        concurrency, repeat, sampling, per_depth_positions=0 if context else PER_DEPTH_POSITIONS)
+    if context:
+        report.context = context_rows(report.rows, context, report.failures)
+        failure = long_context_failure(report.context)
+        report.failures[:0] = [failure] if failure else []
+    if report.failures:
+        report.failures[:0] = _served_rope_failures(bundle, drafter)
+    return report
+
+
+def _served_rope_failures(bundle: Path | None, drafter: Path) -> list[str]:
+    """A failing bundle whose drafter rotates or bounds positions unlike the reference: said first,
+    since tokens differ from the first draft step on and would read as a tapped-layer or fc fault."""
+    served = served_drafter(bundle)
+    if served is None:
+        return []
+    found = served_rope_differences(read_drafter(served).config, read_drafter(drafter).config)
+    return [f"rope or positions: {d} (the bundle's {served.name}/config.json): the runtime rotates or bounds "
+            "positions unlike the reference, which shows most at long context" for d in found]
 
 
 def _sampling_args(temperature: float, top_p: float, top_k: int, rule: str | None) -> dict:
@@ -159,7 +194,8 @@ def _parity_on_capture(runtime: str, bundle: Path | None, drafter: Path | None, 
 def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairSource, options: LoadOptions,
                prompts: list[list[int]], depth: int, max_new_tokens: int, temperature: float, seed: int,
                mode: str | None, phases: Phases, runtime_options: dict | None = None,
-               concurrency: tuple[int, ...] = (1,), repeat: int = 0, sampling: dict | None = None) -> ParityReport:
+               concurrency: tuple[int, ...] = (1,), repeat: int = 0, sampling: dict | None = None,
+               per_depth_positions: int = PER_DEPTH_POSITIONS) -> ParityReport:
     """Greedy replay (the default) holds one side at a time, so a target that fits the machine once is
     enough; autoregressive and sampling parity run both sides prompt by prompt."""
     if mode not in (None, *MODES):
@@ -179,7 +215,8 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
         thresholds = Thresholds(fp4_activations=options.act_quant)
         if temperature == 0 and mode in (None, "replay"):
             report = run_parity_in_turn(load_runtime, load_reference, prompts, depth, max_new_tokens, seed,
-                                        thresholds, progress=phases, concurrency=concurrency, repeat=repeat)
+                                        thresholds, per_depth_positions, progress=phases, concurrency=concurrency,
+                                        repeat=repeat)
         else:
             with phases.phase("load_reference"):
                 reference = load_reference()
@@ -187,7 +224,8 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
                 other = load_runtime()
             with other:  # a server the runtime started stops whatever happens
                 report = run_parity(reference, other, prompts, depth, max_new_tokens, temperature, seed, other.exact,
-                                    mode=mode, thresholds=thresholds, progress=phases, concurrency=concurrency,
+                                    mode=mode, thresholds=thresholds, per_depth_positions=per_depth_positions,
+                                    progress=phases, concurrency=concurrency,
                                     repeat=repeat, **(sampling or {}))
         report.runtime_dtype = seen.get("runtime_dtype")
         return report

@@ -56,6 +56,7 @@ class LoadOptions:
     vllm: str | None = None  # vllm: a python interpreter or virtual environment that has vLLM ($EAGLE31_VLLM)
     port: int | None = None  # vllm: the local engine's port on 127.0.0.1 (None: a free one)
     engine_timeout: float = 600.0  # vllm: seconds a local engine may take to become ready
+    max_context: int | None = None  # the longest sequence a run holds (vllm: the local engine serves at least this)
 
 
 class Speculator:

@@ -355,7 +355,8 @@ def engine_args(record: dict, options: LoadOptions, speculative: bool = True) ->
     dtype = VLLM_DTYPES.get(options.dtype)
     if dtype is None:
         raise UserError(f"--runtime vllm computes in {', '.join(VLLM_DTYPES.values())}; not {options.dtype}")
-    context = min(MAX_MODEL_LEN, read_target_info(record["target"]).max_position_embeddings or MAX_MODEL_LEN)
+    wanted = max(MAX_MODEL_LEN, options.max_context or 0)
+    context = min(wanted, read_target_info(record["target"]).max_position_embeddings or wanted)
     speculation = (["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed"]
                    if speculative else [])
     return ["--model", record["target"], "--served-model-name", "target", *speculation,

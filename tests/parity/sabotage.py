@@ -38,6 +38,22 @@ def shift_d2t(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:
 
 # ---- NVFP4 target checkpoints, edited in place (both sides of a comparison then read the same file) ----
 
+def drop_rope_scaling(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:
+    """A converter that forgets the drafter's rope_scaling (vllm-project/speculators PR 574)."""
+    return DrafterCheckpoint(ckpt.config.replace(rope_scaling=None), ckpt.tensors)
+
+
+def yarn_as_linear(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:
+    """yarn read as another schedule: linear with the same factor (NVIDIA-NeMo/Automodel PR 2399)."""
+    linear = {"rope_type": "linear", "factor": ckpt.config.rope_scaling["factor"]}
+    return DrafterCheckpoint(ckpt.config.replace(rope_scaling=linear), ckpt.tensors)
+
+
+def cut_positions(ckpt: DrafterCheckpoint, positions: int = 2048) -> DrafterCheckpoint:
+    """A drafter holding fewer positions than its target serves (sgl-project/sglang issue 6783)."""
+    return DrafterCheckpoint(ckpt.config.replace(max_position_embeddings=positions), ckpt.tensors)
+
+
 def edit_safetensors(folder, edit) -> None:
     """Apply `edit(tensors)` to every shard of the checkpoint in `folder`."""
     from pathlib import Path
