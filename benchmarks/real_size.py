@@ -15,22 +15,28 @@ one subprocess per command:
            `--eagle31` switches fc_norm and norm_output on.
   --nvfp4  quantizes the target with `quantize` (measured too) and uses the NVFP4 folder as target.
 
-Commands (`--commands`, comma-separated; default all): inspect, speculate (two prompts, one process
-each), export-onnx, parity (`--runtime onnxruntime --mode replay` over the export-onnx folder),
-export-trtllm, export-vllm. Each runs under a small wrapper process that times it and reads the
+Commands (`--commands`, comma-separated; default all but the long ones): inspect, speculate (two
+prompts, one process each), export-onnx, parity (`--runtime onnxruntime --mode replay` over the
+export-onnx folder), export-trtllm, export-vllm; and, only when named, long-reference and
+long-onnxruntime: `speculate` with one prompt of `--context` tokens (default 16384; Llama-3.1's
+rope allows 131072 positions) and 4 new tokens on the reference and on the export-onnx folder. Each runs under a small wrapper process that times it and reads the
 peak RSS of the command's processes (`getrusage(RUSAGE_CHILDREN).ru_maxrss`, and the summed RSS of
 its process tree sampled with psutil where that is installed; the larger of the two is reported).
-A failing command is reported with its exit code and last stderr line; the others still run.
+A failing command is reported with its exit code and last stderr line; the others still run. A
+command whose sampled RSS passes `--rss-cap` (default: 90 % of the memory available at the start)
+is killed and reported as such, so that a long-context run cannot take the machine down.
 
 The table gives, per command: exit code, wall seconds, peak RSS (GiB), the bytes on disk of the
 checkpoints it reads (drafter + target folders; quantize: the bf16 target), their ratio, and whether
-the peak meets `peak <= 1.5 x checkpoint + 1 GiB`. `--json PATH` writes the same rows.
+the command succeeded with a peak that meets `peak <= 1.1 x checkpoint + 512 MiB`. `--json PATH` writes the same rows.
 
     .venv/bin/python benchmarks/real_size.py                         # 8B widths, 4 target layers
     .venv/bin/python benchmarks/real_size.py --target-layers 32 --commands export-onnx,parity
     .venv/bin/python benchmarks/real_size.py --layout speculators --eagle31 --nvfp4 modelopt
     .venv/bin/python benchmarks/real_size.py --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 \\
         --vocab 512 --draft-vocab 128 --target-layers 3 --commands inspect,export-trtllm   # seconds
+    .venv/bin/python benchmarks/real_size.py --layout specforge --target-layers 3 \\
+        --commands export-onnx,long-reference,long-onnxruntime                  # 16k context
 
 Everything is built in `--workdir` (default: a temporary folder) and removed at the end unless
 `--keep` is given; each command's stdout and stderr are in its `logs/` folder. Free disk space is
@@ -54,6 +60,10 @@ from pathlib import Path
 
 GIB = 1 << 30
 COMMANDS = ("inspect", "speculate", "export-onnx", "parity", "export-trtllm", "export-vllm")
+LONG_COMMANDS = ("long-reference", "long-onnxruntime")  # run only when named
+# The memory rule every command is held to: peak RSS <= SCALE x checkpoint bytes + SLACK.
+SCALE, SLACK = 1.1, 512 << 20
+LONG_NEW_TOKENS = 4
 LAYOUTS = ("eagle", "specforge", "speculators", "modelopt")
 
 # Published configs (Hugging Face meta-llama/Llama-3.1-8B and Qwen/Qwen3-8B config.json); the
@@ -108,7 +118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     drafter.add_argument("--eagle31", action="store_true", help="EAGLE 3.1: fc_norm and norm_output on")
     p.add_argument("--nvfp4", choices=("modelopt", "compressed-tensors"),
                    help="quantize the target with `quantize --format` (measured) and use that as the target")
-    p.add_argument("--commands", default=",".join(COMMANDS), help=f"comma-separated subset of {','.join(COMMANDS)}")
+    p.add_argument("--commands", default=",".join(COMMANDS),
+                   help=f"comma-separated subset of {','.join(COMMANDS + LONG_COMMANDS)}")
+    p.add_argument("--context", type=int, default=16384, help="prompt tokens of the long-* commands (default 16384)")
+    p.add_argument("--rss-cap", type=float, help="GiB of RSS at which a command is killed "
+                                                 "(default: 90%% of the memory available at the start)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per prompt (speculate, parity)")
     p.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt (default 16)")
     p.add_argument("--dtype", help="pass --dtype to speculate and export onnx (default: the CLI's own default)")
@@ -128,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.vocab = args.vocab or base["vocab_size"]
     args.draft_intermediate = args.draft_intermediate or args.intermediate
     for name in ("target_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "draft_vocab",
-                 "draft_intermediate", "max_new_tokens", "prompt_len"):
+                 "draft_intermediate", "max_new_tokens", "prompt_len", "context"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive integer")
     if args.target_layers < 3:
@@ -142,11 +156,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.timeout > 0:
         fail(f"--timeout {args.timeout}: expected a positive number of seconds")
     chosen = [c.strip() for c in args.commands.split(",") if c.strip()]
-    unknown = [c for c in chosen if c not in COMMANDS]
+    unknown = [c for c in chosen if c not in COMMANDS + LONG_COMMANDS]
     if unknown or not chosen:
         fail(f"--commands {args.commands!r}: {'unknown ' + unknown[0] if unknown else 'empty'}; "
-             f"choose from {','.join(COMMANDS)}")
-    args.commands = [c for c in COMMANDS if c in chosen]  # the order dependencies need (export-onnx before parity)
+             f"choose from {','.join(COMMANDS + LONG_COMMANDS)}")
+    # the order dependencies need (export-onnx before parity and long-onnxruntime)
+    args.commands = [c for c in COMMANDS + LONG_COMMANDS if c in chosen]
+    positions = (QWEN3_8B if args.qwen3 else LLAMA31_8B)["max_position_embeddings"]
+    if any(c in LONG_COMMANDS for c in args.commands) and args.context + LONG_NEW_TOKENS > positions:
+        fail(f"--context {args.context}: the target's rope covers {positions} positions, "
+             f"{LONG_NEW_TOKENS} of them for the new tokens")
+    if args.rss_cap is not None and not args.rss_cap > 0:
+        fail(f"--rss-cap {args.rss_cap}: expected a positive number of GiB")
     return args
 
 
@@ -326,10 +347,12 @@ class Row:
 
 # Runs in its own process so that RUSAGE_CHILDREN covers exactly this command's processes.
 # argv[1]: a JSON list of command lines run one after another, argv[2]: timeout, argv[3]/[4]: stderr and
-# stdout files (kept in the work folder's logs/ for a look at what a command said).
+# stdout files (kept in the work folder's logs/ for a look at what a command said), argv[5]: the RSS in
+# bytes at which the command is killed (0: none; sampled, so it needs psutil).
 WRAPPER = r"""
 import json, os, resource, signal, subprocess, sys, time
 cmds, timeout, err_path, out_path = json.loads(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+cap = int(sys.argv[5])
 try:
     import psutil
 except ImportError:
@@ -346,6 +369,11 @@ with open(err_path, "ab") as err, open(out_path, "ab") as out:
                     tree_peak = max(tree_peak, sum(p.memory_info().rss for p in [root] + root.children(True)))
                 except psutil.Error:
                     pass
+            if cap and tree_peak > cap:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                err.write(("killed: RSS passed the cap of %.1f GiB\n" % (cap / 2**30)).encode())
+                break
             if time.monotonic() > deadline:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -361,19 +389,35 @@ print(json.dumps({"exit": code, "wall_s": wall, "peak_rss": peak}))
 """
 
 
-def measure(name: str, cmds: list[list[str]], ckpt_bytes: int, workdir: Path, timeout: float) -> Row:
+def meets_rule(peak: int, ckpt: int) -> bool:
+    return peak <= SCALE * ckpt + SLACK
+
+
+def default_rss_cap() -> int:
+    """90 % of MemAvailable (Linux), else no cap."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(0.9 * int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return 0
+
+
+def measure(name: str, cmds: list[list[str]], ckpt_bytes: int, workdir: Path, timeout: float,
+            rss_cap: int = 0) -> Row:
     err_path = workdir / "logs" / f"{name}.stderr"
     err_path.parent.mkdir(exist_ok=True)
     out_path = err_path.with_suffix(".stdout")
     done = subprocess.run([sys.executable, "-c", WRAPPER, json.dumps(cmds), str(timeout), str(err_path),
-                           str(out_path)], capture_output=True, text=True, cwd=workdir)
+                           str(out_path), str(rss_cap)], capture_output=True, text=True, cwd=workdir)
     if done.returncode:
         raise RuntimeError(f"the measuring wrapper failed: {done.stderr.strip().splitlines()[-1:]}")
     m = json.loads(done.stdout)
     lines = [ln.strip() for ln in err_path.read_text(errors="replace").splitlines() if ln.strip()]
     peak, ckpt = m["peak_rss"] / GIB, ckpt_bytes / GIB
     return Row(name, m["exit"], round(m["wall_s"], 3), peak, ckpt, peak / ckpt,
-               m["peak_rss"] <= 1.5 * ckpt_bytes + GIB, m["peak_rss"], ckpt_bytes,
+               m["exit"] == 0 and meets_rule(m["peak_rss"], ckpt_bytes), m["peak_rss"], ckpt_bytes,
                lines[-1] if m["exit"] and lines else "", cmds)
 
 
@@ -413,6 +457,10 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Row]:
 
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(args.vocab) for _ in range(args.prompt_len)] for _ in range(2)]
+    long_prompt = ",".join(str(rng.randrange(args.vocab)) for _ in range(args.context))
+    if any(c in LONG_COMMANDS for c in args.commands) and len(long_prompt) >= 128 * 1024:
+        fail(f"--context {args.context}: the prompt's ids do not fit one command-line argument (128 KiB)")
+    rss_cap = int(args.rss_cap * GIB) if args.rss_cap else default_rss_cap()
     (workdir / "prompts.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
 
     cli = [sys.executable, "-m", "eagle31_export.cli.main"]
@@ -439,24 +487,29 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Row]:
         "export-trtllm": [cli + ["export", "trtllm", *pair, "--out", str(workdir / "trtllm"), "--force"]],
         "export-vllm": [cli + ["export", "vllm", *pair, "--out", str(workdir / "vllm"), "--force"]],
     }
+    for runtime in ("reference", "onnxruntime"):
+        graphs = ["--onnx", str(onnx_dir)] if runtime == "onnxruntime" else []
+        steps[f"long-{runtime}"] = [cli + ["speculate", *pair, *graphs, "--runtime", runtime, "--prompt-ids",
+                                           long_prompt, "--max-new-tokens", str(LONG_NEW_TOKENS), *dtype, "--json"]]
     for name in args.commands:
-        if name == "parity" and not (onnx_dir / "graphs.json").is_file():
+        if name in ("parity", "long-onnxruntime") and not (onnx_dir / "graphs.json").is_file():
             rows.append(Row(name, -1, 0.0, 0.0, ckpt / GIB, 0.0, False, 0, ckpt,
                             "no export-onnx folder to check (run export-onnx in the same run)", steps[name]))
             continue
         print(f"running {name} ...", file=sys.stderr)
-        rows.append(measure(name, steps[name], ckpt, workdir, args.timeout))
+        rows.append(measure(name, steps[name], ckpt, workdir, args.timeout, rss_cap))
     return rows
 
 
 def render(rows: list[Row]) -> str:
-    head = f"{'command':<14} {'exit':>4} {'wall s':>8} {'peak GiB':>9} {'ckpt GiB':>9} {'RSS/ckpt':>8}  <=1.5x+1GiB"
+    head = (f"{'command':<16} {'exit':>4} {'wall s':>8} {'peak GiB':>9} {'ckpt GiB':>9} {'RSS/ckpt':>8}  "
+            f"<={SCALE:g}x+{SLACK >> 20}MiB")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.command:<14} {r.exit:>4} {r.wall_s:>8.1f} {r.peak_rss_gib:>9.2f} {r.checkpoint_gib:>9.2f} "
+        lines.append(f"{r.command:<16} {r.exit:>4} {r.wall_s:>8.1f} {r.peak_rss_gib:>9.2f} {r.checkpoint_gib:>9.2f} "
                      f"{r.ratio:>8.2f}  {'yes' if r.meets_target else 'NO'}")
         if r.error:
-            lines.append(f"{'':<14} failed: {r.error}")
+            lines.append(f"{'':<16} failed: {r.error}")
     return "\n".join(lines)
 
 
@@ -478,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     shape = (f"{'qwen3' if args.qwen3 else 'llama'} hidden {args.hidden}, {args.target_layers} target layers, "
              f"vocab {args.vocab}; {args.layout} drafter{' (EAGLE 3.1)' if args.eagle31 else ''}, "
-             f"draft vocab {args.draft_vocab}" + (f"; NVFP4 {args.nvfp4}" if args.nvfp4 else ""))
+             f"draft vocab {args.draft_vocab}" + (f"; NVFP4 {args.nvfp4}" if args.nvfp4 else "")
+             + (f"; long-* at {args.context} prompt tokens" if set(args.commands) & set(LONG_COMMANDS) else ""))
     print(shape)
     print(render(rows))
     if args.json_path is not None:

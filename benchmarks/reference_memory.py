@@ -98,7 +98,7 @@ def main() -> None:
     for kind, folder in targets:
         ckpt = folder_bytes(folder) + folder_bytes(drafter)
         print(f"{kind} target: checkpoints {ckpt / gb:.2f} GiB (target {folder_bytes(folder) / gb:.2f}, "
-              f"drafter {folder_bytes(drafter) / gb:.2f}); budget 1.5x + 1 GiB = {(1.5 * ckpt + gb) / gb:.2f} GiB")
+              f"drafter {folder_bytes(drafter) / gb:.2f}); budget 1.1x + 512 MiB = {(1.1 * ckpt + gb / 2) / gb:.2f} GiB")
         for src in [ROOT, *args.src]:
             r = measure(src, drafter, folder)
             peak = r["peak_kib"] * 1024

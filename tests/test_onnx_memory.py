@@ -14,7 +14,7 @@ import torch
 from onnx import TensorProto
 
 from eagle31_export.export.onnx_export import export_onnx
-from eagle31_export.export.onnx_graph import ExternalWeights, storage_dtype
+from eagle31_export.export.onnx_graph import ExternalWeights, GraphBuilder, storage_dtype
 from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
 from eagle31_export.formats.target.checkpoint import load_causal_lm, read_target_info
 from eagle31_export.reference.attention import KVCache
@@ -205,3 +205,22 @@ def test_each_weight_is_widened_just_before_its_matmul(pair, tmp_path):
     assert len(widened) == LAYERS * 7 + 1
     for name in widened:  # the node after the Cast is the MatMul it feeds
         assert at[name.rsplit("/", 1)[0]] == at[name] + 1, name
+
+
+def test_large_widened_weights_are_multiplied_by_column_blocks(pair, tmp_path, monkeypatch):
+    """A widened matrix over WIDE_BLOCK_BYTES (a 128k-vocabulary lm_head: 2 GB in fp32) is sliced,
+    widened and multiplied block after block: the same logits, one widened block alive at a time."""
+    monkeypatch.setattr(GraphBuilder, "WIDE_BLOCK_BYTES", 64 * 32 * 4)  # 64 input rows here: 32 columns a block
+    blocked = export_onnx(pair["drafter"], tmp_path / "onnx", pair["target"])
+    nodes = onnx.load(str(blocked / "target.onnx"), load_external_data=False).graph.node
+    vocab = read_target_info(pair["target"]).vocab_size
+    blocks = [n for n in nodes if n.op_type == "MatMul" and n.name.startswith("lm_head/lm_head/block")]
+    assert len(blocks) == -(-vocab // 32)
+    kv = {f"past_{k}_{i}": np.zeros((1, 2, 0, 16), np.float32) for i in range(LAYERS) for k in ("key", "value")}
+    feeds = without_padding({"input_ids": np.array([[1, 2, 3]]), "position_ids": np.array([[0, 1, 2]]), **kv})
+    got, want = _run(blocked, "target.onnx", feeds), _run(pair["onnx"], "target.onnx", feeds)
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-6, rtol=0)
+    # each block's Slice waits for the block before it (Reshape on that product), so ONNX Runtime
+    # cannot widen them all up front
+    waits = [n for n in nodes if n.op_type == "Slice" and n.name.startswith("lm_head/lm_head/")]
+    assert len(waits) == len(blocks)

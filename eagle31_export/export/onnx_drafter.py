@@ -184,9 +184,7 @@ class DrafterGraphWriter:
     def _linear(self, g: GraphBuilder, x: str, prefix: str) -> str:
         """x @ W.T (+ b); W stored transposed as `<prefix>.weight_t` [in, out]."""
         short = prefix.rsplit(".", 1)[-1]
-        with g.scope(short):
-            w = g.weight(f"{prefix}.weight_t", compute=self.dtype, after=x, **self._matrix(f"{prefix}.weight", True))
-        y = g.op("MatMul", x, w, name=short)
+        y = g.matmul(x, f"{prefix}.weight_t", self.dtype, short, **self._matrix(f"{prefix}.weight", True))
         if f"{prefix}.bias" not in self.tensors:
             return y
         return g.op("Add", y, self._w(g, f"{prefix}.bias"), name=f"{short}_bias")

@@ -14,8 +14,10 @@ Matrices are stored in their checkpoint dtype when it is narrower than the compu
 checkpoint's Linear weights stay bf16) and widened by a Cast node where they are used: bf16 ->
 fp32 is exact, so the graph computes what it computed from weights widened at export time, from
 half the bytes. Each Cast waits for the activation its weight multiplies (`wait_for`), so
-that one widened weight at a time exists. Large tensors start at 64 KiB-aligned offsets, which lets ONNX Runtime map them
-from the file instead of reading them into its own memory.
+that one widened weight at a time exists; one larger than `GraphBuilder.WIDE_BLOCK_BYTES` (a
+128k-vocabulary lm_head) is widened and multiplied by column blocks. Large tensors start at
+64 KiB-aligned offsets, which lets ONNX Runtime map them from the file instead of reading them
+into its own memory.
 """
 
 from __future__ import annotations
@@ -175,6 +177,9 @@ class GraphBuilder:
     the current `scope()`, so a node reads `layers.0.self_attn/MatMul_2` in a graph viewer.
     """
 
+    # Widened weights above this many bytes are multiplied by column blocks (`matmul`).
+    WIDE_BLOCK_BYTES = 256 << 20
+
     def __init__(self, name: str, weights: ExternalWeights):
         self.name, self.weights = name, weights
         self.nodes: list[onnx.NodeProto] = []
@@ -261,6 +266,31 @@ class GraphBuilder:
             return init
         return self.op("Cast", init if after is None else self.wait_for(init, after), to=onnx_elem_type(compute),
                        name="widen")
+
+    def matmul(self, x: str, name: str, compute: torch.dtype, op_name: str, **where) -> str:
+        """`x @ W`, W the [in, out] matrix `name` (arguments as for `weight`); the MatMul is named
+        `op_name`, its widening Cast sits in the scope of that name.
+
+        A widened W larger than `WIDE_BLOCK_BYTES` (the lm_head of a 128k vocabulary: 2 GB in fp32)
+        is multiplied by blocks of its columns, each sliced, widened and multiplied after the block
+        before it, so that one widened block at a time exists; the blocks' products are concatenated.
+        """
+        init, cast = self.stored(name, compute=compute, **where)
+        rows, cols = self.initializers[init].dims
+        block = max(1, self.WIDE_BLOCK_BYTES // (rows * compute.itemsize))
+        if not cast or cols <= block:
+            with self.scope(op_name):
+                w = self.weight(name, compute=compute, after=x, **where)
+            return self.op("MatMul", x, w, name=op_name)
+        products, after = [], x
+        with self.scope(op_name):
+            for start in range(0, cols, block):
+                stop = self.const([min(start + block, cols)])
+                part = self.op("Slice", self.wait_for(init, after), self.const([start]), stop, self.const([1]))
+                after = self.op("MatMul", x, self.op("Cast", part, to=onnx_elem_type(compute), name="widen"),
+                                name="block")
+                products.append(after)
+        return self.op("Concat", *products, axis=-1, name=op_name)
 
     def wait_for(self, init: str, value: str) -> str:
         """Initializer `init` unchanged (a Reshape to its own dims, which ONNX Runtime aliases), but

@@ -152,15 +152,14 @@ class TargetGraphWriter:
         return g.stored(name, self.state[name], self.dtype, stored=self.dtype)[0]
 
     def _linear(self, g: GraphBuilder, x: str, module: str) -> str:
+        short = module.rsplit(".", 1)[-1]
         if module in self.nvfp4:
-            with g.scope(module.rsplit(".", 1)[-1]):
+            with g.scope(short):
                 w = Q.dequantized_weight(g, module, self.nvfp4[module], self.flavor, after=x)
                 w_t = g.op("CastLike", g.op("Transpose", w, perm=[1, 0]), x)
+            y = g.op("MatMul", x, w_t, name=short)
         else:
-            with g.scope(module.rsplit(".", 1)[-1]):
-                w_t = g.weight(f"{module}.weight_t", compute=self.dtype, after=x, **self._matrix(f"{module}.weight", True))
-        short = module.rsplit(".", 1)[-1]
-        y = g.op("MatMul", x, w_t, name=short)
+            y = g.matmul(x, f"{module}.weight_t", self.dtype, short, **self._matrix(f"{module}.weight", True))
         return y if f"{module}.bias" not in self.state else \
             g.op("Add", y, self._w(g, f"{module}.bias"), name=f"{short}_bias")
 

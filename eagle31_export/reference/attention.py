@@ -58,8 +58,13 @@ def attention_probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor
 
 
 def _attend(cache: KVCache, layer_id: int, q, k, v, past: int, scale: float) -> torch.Tensor:
-    mask = causal_mask(q.shape[2], past, q.dtype, q.device)
     recorder = getattr(cache, "recorder", None)  # any cache object with keys/values will do
+    t = q.shape[2]
+    if recorder is None and (t == 1 or past == 0):
+        # No [T, S] mask where SDPA's own causal rule is the same (a prompt: no past; one query: every
+        # key): torch then runs a kernel that never holds the scores (a 16k prompt's mask alone is 1 GiB).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=scale)
+    mask = causal_mask(t, past, q.dtype, q.device)
     if recorder is not None:
         recorder(layer_id, attention_probabilities(q, k, mask, scale))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
