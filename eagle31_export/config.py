@@ -305,12 +305,27 @@ class TargetInfo:
                    max_position_embeddings=max_positions, rope_theta=theta, rope_scaling=scaling, **sizes)
 
 
+def full_attention_rope(params: Any) -> Any:
+    """v5's per-layer-type `rope_parameters` ({"full_attention": {...}, ...}): the full-attention one,
+    which is what an EAGLE drafter's layer and a Llama target use; anything else unchanged."""
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        return params["full_attention"]
+    return params
+
+
+def scaling_from_parameters(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """v5's `rope_parameters` as a v4 `rope_scaling`: theta taken out; a "default" or unstated
+    schedule is no scaling (None)."""
+    if not params:
+        return None
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return scaling if Rope.of(None, scaling).kind != "default" else None
+
+
 def _target_rope(text: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
     """rope_theta and rope_scaling from either spelling: transformers v4's top-level `rope_theta` +
     `rope_scaling`, or v5's `rope_parameters` (theta, type and scaling fields in one object)."""
-    params = text.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
-        params = params["full_attention"]  # v5 per-layer-type ropes: the drafter's layer is full attention
+    params = full_attention_rope(text.get("rope_parameters"))
     scaling = text.get("rope_scaling")
     for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if value is not None and not isinstance(value, dict):
@@ -320,8 +335,8 @@ def _target_rope(text: dict[str, Any]) -> tuple[float | None, dict[str, Any] | N
     if theta is not None:
         _require_positive_finite("target", rope_theta=theta)
         theta = float(theta)
-    if scaling is None and params:
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is None:
+        return theta, scaling_from_parameters(params)
     return theta, (scaling if Rope.of(theta, scaling).kind != "default" else None)
 
 

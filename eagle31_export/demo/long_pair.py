@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from eagle31_export.formats.outputs import write_manifest
+from eagle31_export.parity.context import HELD_OUT_FILES
 
 POSITIONS = 32768
 ORIGINAL_POSITIONS = 1024  # the tiny pair's max_position_embeddings
@@ -30,7 +31,6 @@ LONG_ROPES = {
     "yarn": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": ORIGINAL_POSITIONS},
 }
 FOLDERS = ("target", "drafter-eagle3", "drafter-eagle31")
-HELD_OUT_FILES = "held_out_files.json"
 
 
 def write_long_context_pair(tiny: Path, out: Path, rope: str = "yarn") -> Path:

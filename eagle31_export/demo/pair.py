@@ -13,18 +13,18 @@ a checkout's root, where `make demo` runs); nothing here guesses where a checkou
 from __future__ import annotations
 
 import json
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 from eagle31_export.errors import UserError
 from eagle31_export.formats.tokenizer import load_tokenizer
 from eagle31_export.parity.acceptance import text_prompts
+from eagle31_export.parity.context import HELD_OUT_FILES, stdlib_texts
 
 TARGET, TARGET_NVFP4 = "target", "target-nvfp4"
 DRAFTERS = {"EAGLE-3": "drafter-eagle3", "EAGLE 3.1": "drafter-eagle31"}
 DEFAULT_PAIR = Path("examples/tiny/models")  # relative to a checkout's root, where `make demo` runs
-PROMPTS_FILE, HELD_OUT_FILES = "prompts.json", "held_out_files.json"
+PROMPTS_FILE = "prompts.json"
 
 
 def pair_folder(name_or_path: str | Path) -> Path:
@@ -99,12 +99,7 @@ class EmbeddedPair:
         return self.folder / DRAFTERS[label]
 
     def held_out_texts(self) -> list[str]:
-        names = json.loads((self.folder / "held_out_files.json").read_text())
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        texts = [(stdlib / n).read_text(encoding="utf-8", errors="replace") for n in names if (stdlib / n).is_file()]
-        if not texts:
-            raise UserError(f"none of the held-out files are in {stdlib}; is this the CPython the pair was trained for?")
-        return texts
+        return stdlib_texts(json.loads((self.folder / HELD_OUT_FILES).read_text()))
 
     def tokenizer(self):
         return load_tokenizer(self.target, "the demo pair's target must carry its tokenizer")

@@ -23,7 +23,9 @@ from eagle31_export.config import (
     DrafterConfig,
     MlaConfig,
     before_layer_to_output,
+    full_attention_rope,
     output_to_before_layer,
+    scaling_from_parameters,
 )
 from eagle31_export.errors import CheckpointError
 
@@ -102,13 +104,12 @@ def _rope_scaling(c: dict[str, Any], rope_parameters: dict[str, Any]) -> dict[st
     rope_scaling = c.get("rope_scaling")
     if rope_scaling is not None and not isinstance(rope_scaling, dict):
         raise CheckpointError(f"rope_scaling is {rope_scaling!r}; expected an object or null")
-    if rope_scaling is not None or not rope_parameters:
+    if rope_scaling is not None:
         return rope_scaling
-    scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_parameters.get("rope_type", rope_parameters.get("type"))
     if kind is not None and not isinstance(kind, str):
         raise CheckpointError(f"rope_parameters.rope_type is {kind!r}; expected a string")
-    return scaling if kind not in (None, "default") else None
+    return scaling_from_parameters(rope_parameters)
 
 
 def llama_fields(c: dict[str, Any]) -> dict[str, Any]:
@@ -116,8 +117,7 @@ def llama_fields(c: dict[str, Any]) -> dict[str, Any]:
     heads = _int(c, "num_attention_heads")
     hidden = _int(c, "hidden_size")
     rope_parameters = _object(c, "rope_parameters")
-    if isinstance(rope_parameters.get("full_attention"), dict):  # v5 per-layer-type ropes: the drafter's
-        rope_parameters = rope_parameters["full_attention"]         # layer is full attention
+    rope_parameters = full_attention_rope(rope_parameters)
     rope_scaling = _rope_scaling(c, rope_parameters)
     out = dict(
         hidden_size=hidden,
