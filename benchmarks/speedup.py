@@ -241,7 +241,8 @@ def print_table(rows: list[dict], engine: str, args, prompts: int) -> None:
               f"{r['target_alone_tok_s']:>12.1f} {batch(r['target_alone_mean_batch']):>12} "
               f"{r['ratio']:>6.2f} {f'{low:.2f}-{high:.2f}':>13} {r['tau_bound']:>10.3f} {r['ratio_over_bound']:>10.2f} "
               f"{seed:>6} {same:>12}  {r['batch_note']}")
-    print("batch: mean sequences per backend call over every call of a measurement (median of the repeats; '-': not "
+    print("batch: mean sequences per backend call over every call of a measurement (vLLM: requests advanced per "
+          "engine step, from its /metrics counters; median of the repeats; '-': not "
           f"measured); a ratio compares speculation with the target alone where the two are within "
           f"{BATCH_TOLERANCE:.0%}, else its note says why not.")
     print("bound: tau, tokens per target forward (this run; vLLM: its /metrics): the speed-up if drafting were free and "
