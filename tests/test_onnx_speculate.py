@@ -37,8 +37,8 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
-    def forward(self, *args):
-        out = self.backend.forward(*args)
+    def forward(self, *args, **kwargs):
+        out = self.backend.forward(*args, **kwargs)
         self.calls.append([t.detach().float().clone() for t in out])
         return out
 
@@ -295,3 +295,39 @@ def test_concurrent_requests_are_batched_and_give_the_one_at_a_time_results(pair
         for a, b in zip(alone, together, strict=True):
             assert (b.tokens, b.drafts, b.accepted_per_step) == (a.tokens, a.drafts, a.accepted_per_step)
         assert sum(sum(r.accepted_per_step) for r in alone) > 0
+
+
+# ---- long prompts: prefilled in pieces -----------------------------------------------------------
+
+LONG_PROMPT = [(7 * i + 3) % 250 for i in range(45)]
+
+
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle31"])
+def test_a_long_prompt_is_prefilled_in_pieces_with_the_same_rounds(pairs, monkeypatch, eagle31):
+    """A prompt over PREFILL_CHUNK tokens goes to the target in pieces that keep their last logits only,
+    the drafter reading each piece's taps as it comes (ONNX Runtime further splits calls whose scores
+    would pass SCORE_BYTES): the rounds are those of the one-forward prefill, on both backends."""
+    import eagle31_export.reference.speculate as spec
+    import eagle31_export.runtime.onnxruntime as ort
+
+    drafter, target, onnx_dir = pairs["fp32", eagle31]
+    pair = load_pair(drafter, target, dtype=torch.float32)
+    whole = speculate(pair.target, pair.drafter, LONG_PROMPT, 20, 3)
+    monkeypatch.setattr(spec, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(ort, "SCORE_BYTES", 2400)  # fp32 scores of 4 heads x 6 queries x 25 keys
+    ref_target, ref_drafter = Recorder(pair.target), Recorder(pair.drafter)
+    pieces = speculate(ref_target, ref_drafter, LONG_PROMPT, 20, 3)
+    ort_target, ort_drafter = load_backends(onnx_dir)
+    session_calls = []
+    run = ort._run
+    monkeypatch.setattr(ort, "_run", lambda session, feeds: session_calls.append(feeds["input_ids"].shape[1])
+                        or run(session, feeds))
+    ort_result = speculate(ort_target, ort_drafter, LONG_PROMPT, 20, 3)
+    for got in (pieces, ort_result):
+        assert (got.tokens, got.drafts, got.accepted_per_step) == (whole.tokens, whole.drafts, whole.accepted_per_step)
+    assert sum(whole.accepted_per_step) > 0
+    prefill = ref_target.calls[:6]  # 45 tokens in pieces of 8: 6 forwards, one logits row each
+    assert [c[0].shape[1] for c in prefill] == [1] * 6 and [c[1].shape[1] for c in prefill] == [8] * 5 + [5]
+    assert [c[0].shape[1] for c in ref_drafter.calls[:6]] == [8] * 5 + [4]  # the last tap waits for round 1
+    # target and drafter alternate; the third piece (24 keys: 6 query rows of 4 heads fit) runs as 6 + 2 on each
+    assert session_calls[:8] == [8, 8, 8, 8, 6, 2, 6, 2]

@@ -214,3 +214,25 @@ def test_tensors_stored_wider_than_most_keep_their_values(tmp_path):
     old = ReferenceTarget(load_causal_lm(folder, dtype=torch.float32), (0, 1))
     for new, was in zip(ref.forward(IDS), old.forward(IDS)):
         assert torch.equal(new, was)
+
+
+def test_grouped_keys_are_read_in_place_with_transformers_own_numbers(bf16_pair, monkeypatch):
+    """Over a cache (a chunked prefill, a verification) transformers' `sdpa` attention repeats a GQA
+    layer's keys and values per query head; the reference target hands them to SDPA grouped
+    (reference/grouped_sdpa.py): no repeat at all, and bit for bit transformers' logits."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+    from transformers import DynamicCache
+
+    target_dir, _ = bf16_pair
+    plain = load_causal_lm(target_dir, dtype=torch.float32)
+    assert plain.config.num_key_value_heads < plain.config.num_attention_heads
+    ids = torch.randint(0, plain.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    cache, want = DynamicCache(), []
+    for piece in (ids[:, :24], ids[:, 24:36], ids[:, 36:]):  # a prompt in pieces, then a 4-token verify
+        want.append(plain(input_ids=piece, past_key_values=cache, use_cache=True).logits)
+    target = load_target(target_dir, AUX)
+    repeat = hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda *a: pytest.fail("keys repeated per query head") or repeat(*a))
+    target.reset()
+    for piece, logits in zip((ids[:, :24], ids[:, 24:36], ids[:, 36:]), want):
+        assert torch.equal(target.forward(piece)[0], logits)

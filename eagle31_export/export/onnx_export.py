@@ -124,7 +124,7 @@ def export_onnx(drafter_path: str | os.PathLike, out: str | os.PathLike, target_
             "eagle_version": ckpt.config.eagle_version,
             "config": ckpt.config.to_dict(),
             "aux_layer_ids": list(aux_ids) if aux_ids is not None else ckpt.config.aux_layer_ids,
-            "kv_cache": _kv_meta(*writer.kv_dims(), ckpt.config.num_layers),
+            "kv_cache": _kv_meta(*writer.kv_dims(), ckpt.config.num_layers, ckpt.config.num_attention_heads),
             "d2t": D2T_FILE,
             "max_positions": writer.max_positions,
             "graphs": {},
@@ -245,14 +245,15 @@ def _export_target(writer: TargetGraphWriter, aux_ids, nvfp4, options: OnnxExpor
         "vocab_size": int(writer.config.vocab_size),
         "quantization": {"algo": "NVFP4", "modules": len(nvfp4), "flavor": options.flavor,
                          "activations": "nvfp4" if options.flavor == W4A4 else None} if nvfp4 else None,
-        "kv_cache": _kv_meta(writer.kv_heads, writer.head_dim, writer.head_dim, len(writer.layers)),
+        "kv_cache": _kv_meta(writer.kv_heads, writer.head_dim, writer.head_dim, len(writer.layers), writer.heads),
         "max_positions": writer.max_positions,
     })
     return entry
 
 
-def _kv_meta(heads: int, key_dim: int, value_dim: int, layers: int) -> dict:
-    return {"layers": layers, "heads": heads, "key_dim": key_dim, "value_dim": value_dim,
+def _kv_meta(heads: int, key_dim: int, value_dim: int, layers: int, query_heads: int) -> dict:
+    # query_heads: what a call's attention scores scale with (the runtime sizes long forwards by it)
+    return {"layers": layers, "heads": heads, "key_dim": key_dim, "value_dim": value_dim, "query_heads": query_heads,
             "layout": "[batch, heads, sequence, dim]", "inputs": "past_key_{i}, past_value_{i}",
             "outputs": "present_key_{i}, present_value_{i} (past + this call)"}
 

@@ -58,16 +58,19 @@ def attention_probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor
 
 
 def _attend(cache: KVCache, layer_id: int, q, k, v, past: int, scale: float) -> torch.Tensor:
+    """SDPA over the cache; keys/values may have fewer heads than q (grouped: SDPA reads each group in
+    place, with the numbers of repeating it per query head, without a [heads, S, dim] copy)."""
     recorder = getattr(cache, "recorder", None)  # any cache object with keys/values will do
-    t = q.shape[2]
+    t, grouped = q.shape[2], k.shape[1] != q.shape[1]
     if recorder is None and (t == 1 or past == 0):
         # No [T, S] mask where SDPA's own causal rule is the same (a prompt: no past; one query: every
         # key): torch then runs a kernel that never holds the scores (a 16k prompt's mask alone is 1 GiB).
-        return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=scale, enable_gqa=grouped)
     mask = causal_mask(t, past, q.dtype, q.device)
     if recorder is not None:
-        recorder(layer_id, attention_probabilities(q, k, mask, scale))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        rep = q.shape[1] // k.shape[1]
+        recorder(layer_id, attention_probabilities(q, k.repeat_interleave(rep, dim=1), mask, scale))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped)
 
 
 class GqaAttention(nn.Module):
@@ -96,8 +99,6 @@ class GqaAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         past = cache.length(self.layer_id)
         k, v = cache.append(self.layer_id, k, v)
-        rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = _attend(cache, self.layer_id, q, k, v, past, self.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 

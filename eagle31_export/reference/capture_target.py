@@ -65,7 +65,7 @@ class CaptureTarget:
             self._record = (self.index, record, [int(t) for t in record.tokens])
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         new = [int(t) for t in input_ids[0]]
         if not self.ids:
             self._begin(new)
@@ -86,7 +86,7 @@ class CaptureTarget:
             block.scatter_(1, record.topk_indices[sel], record.topk_values[sel])
             logits[0, : len(sel)] = block
             taps[0, : len(sel)] = record.aux[sel].to(self.dtype)
-        return logits, taps
+        return (logits[:, -logits_to_keep:] if logits_to_keep else logits), taps
 
     def _too_short(self, position: int, record: PromptCapture) -> None:
         need = max(1, position - record.prompt_len + 1 - self.capture.depth)

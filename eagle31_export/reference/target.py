@@ -68,8 +68,9 @@ class ReferenceTarget:
         self._length = 0
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `input_ids` [1, T] to the cache; return logits [1, T, V] and taps [1, T, k*H].
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `input_ids` [1, T] to the cache; return logits [1, T, V] (the last `logits_to_keep`
+        positions only, when given: the lm_head then runs on those alone) and taps [1, T, k*H].
 
         The model computes on its own device (ids, positions and the cache live there); the results
         come back on the device the ids came from, so callers on the CPU never see a GPU tensor."""
@@ -77,9 +78,10 @@ class ReferenceTarget:
             self.reset()
         t, back, device = input_ids.shape[1], input_ids.device, self.device
         positions = torch.arange(self._length, self._length + t, device=device).unsqueeze(0)
+        keep = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}  # any causal LM takes the default
         with self.tapping() as taps:
             out = self.model(input_ids=input_ids.to(device), position_ids=positions, past_key_values=self.cache,
-                             use_cache=True)
+                             use_cache=True, **keep)
         self.cache = out.past_key_values
         self._length += t
         return out.logits.to(back), taps().to(back)
@@ -129,6 +131,7 @@ def load_target(path: str | os.PathLike, aux_layer_ids: tuple[int, ...], dtype: 
     (`reference.upcast`): the same results as weights loaded in `dtype`, at about the
     checkpoint's bytes."""
     from eagle31_export.formats.target.checkpoint import load_causal_lm
+    from eagle31_export.reference.grouped_sdpa import use_grouped_sdpa
     from eagle31_export.reference.upcast import compute_in
 
     key = _checkpoint_key(path, dtype, act_quant, nvfp4_semantics) if Path(path).is_dir() else None
@@ -136,6 +139,7 @@ def load_target(path: str | os.PathLike, aux_layer_ids: tuple[int, ...], dtype: 
     if model is None:
         model = compute_in(load_causal_lm(path, dtype=dtype, act_quant=act_quant, stored_weights=True,
                                           nvfp4_semantics=nvfp4_semantics), dtype)
+        use_grouped_sdpa(model)
         if key is not None:
             _LOADED[key] = model
     return ReferenceTarget(model, aux_layer_ids)

@@ -213,10 +213,16 @@ class BatchedTarget:
     def __getattr__(self, name):  # length, truncate, reset, vocab_size, max_positions: this sequence's own
         return getattr(self.inner, name)
 
-    def forward(self, input_ids):
-        prefill = _cache_length(self.inner) == 0  # nothing processed yet: the prompt's forward
-        return self.batcher.call(self.sequence, ("target",), TARGET_PHASE, self.inner.forward_batch,
-                                 (self.inner, input_ids), prefill)
+    def forward(self, input_ids, logits_to_keep: int = 0):
+        # the prompt's forward: nothing processed yet, or a later piece of a long prompt (the only
+        # forwards that keep their last logits alone: reference.speculate.prefill)
+        prefill = _cache_length(self.inner) == 0 or logits_to_keep > 0
+        out = self.batcher.call(self.sequence, ("target",), TARGET_PHASE, self.inner.forward_batch,
+                                (self.inner, input_ids), prefill)
+        if not logits_to_keep:
+            return out
+        logits, taps = out
+        return logits[:, -logits_to_keep:], taps
 
 
 class BatchedDrafter:

@@ -192,6 +192,27 @@ def run_batch(session, caches: list[_Cache], feeds: list[dict[str, np.ndarray]],
     return results
 
 
+# Bytes of fp32 attention scores, [query heads, T, S] per layer, one graph call may make: the graphs
+# materialise them (and hold them a few times over: mask, sum, softmax), so a longer forward of one
+# sequence runs as calls over pieces of its tokens. Each query row attends to the same keys either way.
+SCORE_BYTES = 128 << 20
+
+
+def in_pieces(call, t: int, cache: "_Cache", logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`call(a, b)` -> (logits [1, b - a, V], states [1, b - a, ...]) for tokens a..b of a forward of
+    `t` tokens, over as many pieces as `SCORE_BYTES` allows against `cache`; the logits of the last
+    `logits_to_keep` tokens only, when given (no [t, V] block is ever held then)."""
+    heads = cache.kv.get("query_heads", cache.kv["heads"])
+    rows = max(1, SCORE_BYTES // (heads * (cache.length + t) * 4))
+    logits, states = None, []
+    for a in range(0, t, rows):
+        piece_logits, piece_states = call(a, min(a + rows, t))
+        logits = piece_logits if logits is None else torch.cat([logits, piece_logits], dim=1)
+        logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
+        states.append(piece_states)
+    return logits, states[0] if len(states) == 1 else torch.cat(states, dim=1)
+
+
 def _ids(x: torch.Tensor) -> np.ndarray:
     return x.to(torch.int64).numpy()
 
@@ -228,8 +249,11 @@ class OrtTargetBackend:
     def reset(self) -> None:
         self.cache.reset()
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.forward_batch([(self, input_ids)])[0]
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        def piece(a: int, b: int):
+            return self.forward_batch([(self, input_ids[:, a:b])])[0]
+
+        return in_pieces(piece, input_ids.shape[1], self.cache, logits_to_keep)
 
     @staticmethod
     def forward_batch(calls: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -282,7 +306,10 @@ class OrtDrafterBackend:
         self.cache.reset()
 
     def forward(self, input_ids, positions, hidden, hidden_is_aux):
-        return self.forward_batch([(self, (input_ids, positions, hidden, hidden_is_aux))])[0]
+        def piece(a: int, b: int):
+            return self.forward_batch([(self, (input_ids[:, a:b], positions[:, a:b], hidden[:, a:b], hidden_is_aux))])[0]
+
+        return in_pieces(piece, input_ids.shape[1], self.cache)
 
     @staticmethod
     def forward_batch(calls: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
