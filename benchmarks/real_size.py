@@ -19,8 +19,10 @@ Commands (`--commands`, comma-separated; default all but the long ones): inspect
 prompts, one process each), export-onnx, parity (`--runtime onnxruntime --mode replay` over the
 export-onnx folder), export-trtllm, export-vllm; and, only when named, long-reference and
 long-onnxruntime: `speculate` with one prompt of `--context` tokens (default 16384; Llama-3.1's
-rope allows 131072 positions) and 4 new tokens on the reference and on the export-onnx folder. Each runs under a small wrapper process that times it and reads the
-peak RSS of the command's processes (`getrusage(RUSAGE_CHILDREN).ru_maxrss`, and the summed RSS of
+rope allows 131072 positions) and 4 new tokens on the reference and on the export-onnx folder; their
+rows also give the KV caches that context needs (target + drafter, in the compute dtype, from the
+shapes) and whether the peak less those meets the rule. Each runs under a small wrapper process that
+times it and reads the peak RSS of the command's processes (`getrusage(RUSAGE_CHILDREN).ru_maxrss`, and the summed RSS of
 its process tree sampled with psutil where that is installed; the larger of the two is reported).
 A failing command is reported with its exit code and last stderr line; the others still run. A
 command whose sampled RSS passes `--rss-cap` (default: 90 % of the memory available at the start)
@@ -343,6 +345,8 @@ class Row:
     checkpoint_bytes: int = 0
     error: str = ""
     argv: list[list[str]] = field(default_factory=list)
+    # long-* rows: the KV caches their context needs (target and drafter, in the compute dtype)
+    kv_cache_bytes: int = 0
 
 
 # Runs in its own process so that RUSAGE_CHILDREN covers exactly this command's processes.
@@ -387,6 +391,15 @@ wall = time.perf_counter() - start
 peak = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, tree_peak)
 print(json.dumps({"exit": code, "wall_s": wall, "peak_rss": peak}))
 """
+
+
+def kv_cache_bytes(tcfg: dict, dcfg, tokens: int, dtype: str | None) -> int:
+    """Keys and values of every target layer and the drafter's layer for `tokens` positions, in the
+    compute dtype (fp32 unless --dtype says bf16/fp16): data the context itself holds, beside weights."""
+    width = 2 if dtype in ("bf16", "fp16") else 4
+    per_token = lambda layers, kv_heads, head_dim: layers * 2 * kv_heads * head_dim * width  # noqa: E731
+    return tokens * (per_token(tcfg["num_hidden_layers"], tcfg["num_key_value_heads"], tcfg["head_dim"])
+                     + per_token(dcfg.num_layers, dcfg.num_key_value_heads, dcfg.head_dim))
 
 
 def meets_rule(peak: int, ckpt: int) -> bool:
@@ -498,6 +511,8 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Row]:
             continue
         print(f"running {name} ...", file=sys.stderr)
         rows.append(measure(name, steps[name], ckpt, workdir, args.timeout, rss_cap))
+        if name in LONG_COMMANDS:
+            rows[-1].kv_cache_bytes = kv_cache_bytes(tcfg, dcfg, args.context + LONG_NEW_TOKENS, args.dtype)
     return rows
 
 
@@ -510,6 +525,12 @@ def render(rows: list[Row]) -> str:
                      f"{r.ratio:>8.2f}  {'yes' if r.meets_target else 'NO'}")
         if r.error:
             lines.append(f"{'':<16} failed: {r.error}")
+        if r.kv_cache_bytes:
+            kv = r.kv_cache_bytes / GIB
+            lines.append(f"{'':<16} the KV caches of its context (target + drafter, from their shapes): "
+                         f"{kv:.2f} GiB; peak less them {r.peak_rss_gib - kv:.2f} GiB, "
+                         f"{'within' if meets_rule(r.peak_rss_bytes - r.kv_cache_bytes, r.checkpoint_bytes) else 'OVER'}"
+                         " the rule")
     return "\n".join(lines)
 
 

@@ -62,6 +62,9 @@ def test_long_context_rows_run_both_runtimes(tmp_path):
         assert r["exit"] == 0 and r["peak_rss_bytes"] > 0
         prompt = r["argv"][0][r["argv"][0].index("--prompt-ids") + 1]
         assert len(prompt.split(",")) == 200
+        # fp32 keys and values, 204 positions: 3 target layers and 1 drafter layer of 2 KV heads x 16 dims
+        assert r["kv_cache_bytes"] == 204 * (3 + 1) * 2 * 2 * 16 * 4
+    assert rows[0]["kv_cache_bytes"] == 0 and done.stdout.count("the KV caches of its context") == 2
     assert "long-* at 200 prompt tokens" in done.stdout and "<=1.1x+512MiB" in done.stdout
     rs = _module()
     assert rs.parse_args([*TINY]).commands == list(rs.COMMANDS)

@@ -307,7 +307,8 @@ class OrtDrafterBackend:
 
     def forward(self, input_ids, positions, hidden, hidden_is_aux):
         def piece(a: int, b: int):
-            return self.forward_batch([(self, (input_ids[:, a:b], positions[:, a:b], hidden[:, a:b], hidden_is_aux))])[0]
+            call = (input_ids[:, a:b], positions[:, a:b], hidden[:, a:b], hidden_is_aux)
+            return self.forward_batch([(self, call)])[0]
 
         return in_pieces(piece, input_ids.shape[1], self.cache)
 
