@@ -22,6 +22,7 @@ LABELS = {
     "load_drafter": "loading the drafter",
     "load_reference": "loading the reference pair",
     "load_runtime": "loading the runtime",
+    "prefill": "prefilling the prompt (tokens)",
     "generate": "generating (tokens)",
     "compare": "parity (prompts)",
     "concurrency": "under load (concurrency levels)",

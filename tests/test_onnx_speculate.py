@@ -22,7 +22,7 @@ from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, write_d
 from eagle31_export.formats.outputs import MANIFEST, write_manifest
 from eagle31_export.formats.target.checkpoint import load_causal_lm, read_target_info
 from eagle31_export.reference.pair import load_pair
-from eagle31_export.reference.speculate import LoopObserver, speculate
+from eagle31_export.reference.speculate import LoopObserver, ProgressObserver, speculate
 from eagle31_export.runtime.onnxruntime import load_backends
 
 PROMPTS = ([1, 5, 9, 13], [200, 3, 77, 41, 8], [17, 17, 4])
@@ -316,7 +316,10 @@ def test_a_long_prompt_is_prefilled_in_pieces_with_the_same_rounds(pairs, monkey
     monkeypatch.setattr(spec, "PREFILL_CHUNK", 8)
     monkeypatch.setattr(ort, "SCORE_BYTES", 2400)  # fp32 scores of 4 heads x 6 queries x 25 keys
     ref_target, ref_drafter = Recorder(pair.target), Recorder(pair.drafter)
-    pieces = speculate(ref_target, ref_drafter, LONG_PROMPT, 20, 3)
+    reports = []
+    pieces = speculate(ref_target, ref_drafter, LONG_PROMPT, 20, 3,
+                       observer=ProgressObserver(lambda *report: reports.append(report), 20))
+    assert [r for r in reports if r[0] == "prefill"] == [("prefill", n, 45) for n in (8, 16, 24, 32, 40, 45)]
     ort_target, ort_drafter = load_backends(onnx_dir)
     session_calls = []
     run = ort._run

@@ -112,6 +112,9 @@ class LoopObserver:
 
     wants_draft_logits = False
 
+    def on_prefill_piece(self, done: int, total: int) -> None:
+        """A long prompt's piece is prefilled: `done` of its `total` tokens (`prefill`)."""
+
     def on_prefill(self, token: int) -> None:
         """The target's first token, from the prompt's forward (before any round)."""
 
@@ -125,6 +128,9 @@ class ProgressObserver(LoopObserver):
 
     def __init__(self, progress, total: int, phase: str = "generate"):
         self.progress, self.total, self.phase, self.done = progress, total, phase, 0
+
+    def on_prefill_piece(self, done: int, total: int) -> None:
+        self.progress("prefill", done, total)
 
     def on_prefill(self, token: int) -> None:
         self.done = 1
@@ -306,7 +312,7 @@ def speculate(target: TargetBackend, drafter: DrafterBackend, prompt_ids: list[i
     sampler = _Sampler(temperature, seed)
     target.reset()
     drafter.reset()
-    last_logits, taps = prefill(target, drafter, list(prompt_ids))
+    last_logits, taps = prefill(target, drafter, list(prompt_ids), observer)
     vocab = last_logits.shape[-1]
     seq = list(prompt_ids) + [sampler.pick(last_logits)]
     result = SpecResult(tokens=[seq[-1]], drafts=[], accepted_per_step=[], depth=depth)
@@ -339,7 +345,8 @@ def speculate(target: TargetBackend, drafter: DrafterBackend, prompt_ids: list[i
     return result
 
 
-def prefill(target: TargetBackend, drafter: DrafterBackend, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill(target: TargetBackend, drafter: DrafterBackend, prompt: list[int],
+            observer: LoopObserver | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt's forward: the target's logits after it [V], and the tapped states the first round's
     drafter still has to read [1, n, k*Ht] (the whole prompt's, or only its last position's).
 
@@ -357,6 +364,8 @@ def prefill(target: TargetBackend, drafter: DrafterBackend, prompt: list[int]) -
         if known > start:
             drafter.forward(torch.tensor([prompt[start + 1: known + 1]]), torch.arange(start, known).unsqueeze(0),
                             taps[:, : known - start], True)
+        if observer is not None:
+            observer.on_prefill_piece(start + taps.shape[1], len(prompt))
     return logits[0, -1], taps[:, -1:]
 
 
