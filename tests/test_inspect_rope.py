@@ -51,31 +51,23 @@ def _inspect(cli, drafter: Path, target: Path) -> tuple[int, list[str]]:
     return code, json.loads(out)["problems"]
 
 
-def test_rope_scaling_dropped_from_the_drafter_is_a_problem(cli, tmp_path, llama_target, llama_info):
-    target = _target(llama_target, tmp_path / "target", "rope_parameters")
-    drafter = _drafter(llama_info, tmp_path / "drafter", rope_scaling=None)
+TARGET_YARN = "yarn (factor 4, original_max_position_embeddings 4096)"
+
+
+@pytest.mark.parametrize("spelling, drafter_scaling, problem", [
+    ("rope_parameters", None, f"drafter rope_scaling is none but the target's is {TARGET_YARN}"),  # dropped
+    ("type", {"type": "linear", "factor": 4.0},  # yarn read as linear
+     f"drafter rope_scaling is linear (factor 4) but the target's is {TARGET_YARN}"),
+    ("rope_type", {"rope_type": "yarn", **YARN, "factor": 8.0},  # another yarn factor: the field, both values
+     "drafter yarn rope_scaling differs from the target's in factor (drafter 8, target 4)"),
+], ids=["scaling-dropped", "yarn-as-linear", "other-yarn-factor"])
+def test_a_drafter_rope_scaling_unlike_the_targets_is_a_problem(cli, tmp_path, llama_target, llama_info,
+                                                                  spelling, drafter_scaling, problem):
+    target = _target(llama_target, tmp_path / "target", spelling)
+    drafter = _drafter(llama_info, tmp_path / "drafter", rope_scaling=drafter_scaling)
     code, problems = _inspect(cli, drafter, target)
     assert code == 1
-    assert problems == ["drafter rope_scaling is none but the target's is yarn (factor 4, "
-                        f"original_max_position_embeddings 4096): {CONSEQUENCE}"]
-
-
-def test_yarn_read_as_linear_is_a_problem(cli, tmp_path, llama_target, llama_info):
-    target = _target(llama_target, tmp_path / "target", "type")
-    drafter = _drafter(llama_info, tmp_path / "drafter", rope_scaling={"type": "linear", "factor": 4.0})
-    code, problems = _inspect(cli, drafter, target)
-    assert code == 1
-    assert problems == ["drafter rope_scaling is linear (factor 4) but the target's is yarn (factor 4, "
-                        f"original_max_position_embeddings 4096): {CONSEQUENCE}"]
-
-
-def test_a_different_yarn_factor_names_the_field_with_both_values(cli, tmp_path, llama_target, llama_info):
-    target = _target(llama_target, tmp_path / "target", "rope_type")
-    drafter = _drafter(llama_info, tmp_path / "drafter", rope_scaling={"rope_type": "yarn", **YARN, "factor": 8.0})
-    code, problems = _inspect(cli, drafter, target)
-    assert code == 1
-    assert problems == [f"drafter yarn rope_scaling differs from the target's in factor (drafter 8, target 4): "
-                        f"{CONSEQUENCE}"]
+    assert problems == [f"{problem}: {CONSEQUENCE}"]
 
 
 def test_a_different_rope_theta_is_a_problem_at_every_position(cli, tmp_path, llama_target, llama_info):
