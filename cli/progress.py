@@ -25,6 +25,7 @@ LABELS = {
     "prefill": "prefilling the prompt (tokens)",
     "generate": "generating (tokens)",
     "compare": "parity (prompts)",
+    "greedy_drafts": "the drafter run greedy (prompts)",
     "concurrency": "under load (concurrency levels)",
     "measure": "measuring (prompts)",
     "capture": "capturing (prompts)",

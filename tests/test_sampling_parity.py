@@ -17,7 +17,7 @@ from eagle31_export.errors import UserError
 from eagle31_export.export.onnx_export import export_onnx
 from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
 from eagle31_export.parity.compare import run_parity
-from eagle31_export.parity.sampling import ENGINE_EMITS, ENGINE_FEWER, check_sampled
+from eagle31_export.parity.sampling import ENGINE_EMITS, ENGINE_FEWER, ENGINE_MORE, GreedyDrafts, check_sampled
 from eagle31_export.parity.symptoms import LATER_POSITIONS, POSITION_1
 from eagle31_export.reference import speculate as loop
 from eagle31_export.reference.replay import SampledRound
@@ -86,7 +86,21 @@ def test_check_tells_the_drafter_from_the_sampler():
     assert emits.at_fault == "sampler" and ENGINE_EMITS in emits.failures()[0]
     # once, at a likely draft: a drafter drafting otherwise explains it
     once = check_sampled([[_round(0, 0, [4], [4, 6, 7], [0.4, None, None], rival=0.3)]], 3, 1e-4, 3.0)
-    assert once.at_fault == "drafter" and POSITION_1 in once.failures()[0]
+    assert once.drafter_open and once.at_fault == "drafter" and POSITION_1 in once.failures()[0]
+    # ... unless the runtime run greedy drafts as the reference: then its sampler did not mask the draft
+    once.greedy = GreedyDrafts(prompts=1, rounds=12, ties=0, untied=[])
+    assert once.at_fault == "sampler" and len(once.failures()) == 1 and ENGINE_EMITS in once.failures()[0]
+    assert "12 rounds are the reference's" in once.failures()[0] and POSITION_1 not in once.failures()[0]
+    # ... and a greedy run that differs names the drafter with its symptom
+    once.greedy = GreedyDrafts(1, 12, 0, [f"prompt 0, round 3, draft position 1: reference logit gap 2 ({POSITION_1})"])
+    assert once.at_fault == "drafter" and "differ from the reference's in 1 places" in once.failures()[0]
+    # the reference's draft accepted or emitted far more often than p(d) allows (20 of 20 rounds at p 0.3:
+    # 6 expected, sd 2.05) while each rejection's emit stays within its bound (0.3 / 0.4): the sampler
+    often = check_sampled([[_round(i, 0, [4], [4, 6, 7], [0.3, None, None], rival=0.6) for i in range(20)]], 3,
+                          1e-4, 3.0)
+    law = often.positions[0]
+    assert law.drafted_or_emitted == 20 and law.emits_tail > 1e-3 and law.z_either == pytest.approx(14 / 4.2 ** 0.5)
+    assert often.at_fault == "sampler" and ENGINE_MORE in often.failures()[0], often.failures()
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +145,31 @@ def test_a_sampler_accepting_with_p_squared_fails_b_and_is_named(sides, monkeypa
     report = _sampled(*sides, 0.7)
     assert report.verdict == "FAIL" and report.sampled.drafts_exact and report.sampled.at_fault == "sampler"
     assert report.failures and all(ENGINE_FEWER in f for f in report.failures), report.failures
+
+
+def test_a_sampler_emitting_its_drafts_is_named_once_greedy_clears_the_drafter(sides, monkeypatch):
+    """A rejection that resamples without masking its draft emits the reference's draft: the drafter is
+    then open, ONNX Runtime runs greedy over the same prompts, drafts as the reference, and the verdict
+    names the sampler."""
+    greedy = _Sampler.verify
+
+    def verify(self, target_logits, drafts, q):
+        if self.temperature == 0:
+            return greedy(self, target_logits, drafts, q)
+        for i, d in enumerate(drafts):
+            p = self.probs(target_logits[i])
+            if float(torch.rand((), generator=self.gen, dtype=torch.float64)) < float(p[d]):
+                continue
+            kept = p.clone()  # the draft is not masked out
+            return i, int(torch.multinomial(kept / kept.sum(), 1, generator=self.gen))
+        return len(drafts), self.pick(target_logits[len(drafts)])
+
+    monkeypatch.setattr(_Sampler, "verify", verify)
+    report = _sampled(*sides, 1.0)
+    check = report.sampled
+    assert check.emitted_drafts and check.greedy is not None and check.greedy.exact, check.to_json()["greedy"]
+    assert check.greedy.rounds > 20 and report.verdict == "FAIL" and check.at_fault == "sampler", report.failures
+    assert all(ENGINE_EMITS in f or ENGINE_MORE in f for f in report.failures), report.failures
 
 
 @pytest.mark.parametrize("bug, make, symptom", [

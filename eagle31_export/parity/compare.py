@@ -31,7 +31,7 @@ from eagle31_export.parity.concurrency import (
 from eagle31_export.parity.context import ContextRow
 from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
 from eagle31_export.parity.evidence import inconclusive_reasons
-from eagle31_export.parity.sampling import SamplingCheck, check_sampled
+from eagle31_export.parity.sampling import GreedyDrafts, SamplingCheck, check_sampled
 from eagle31_export.parity.symptoms import LATER_POSITIONS, POSITION_1  # noqa: F401 (re-exported)
 from eagle31_export.parity.ties import Divergence, divergences
 from eagle31_export.progress import Phases
@@ -498,10 +498,28 @@ def compare_sampled(reference: Speculator, runtime: Speculator, prompts: list[li
             report.rows.append(_sampled_row(prompt, run, one))
             phases("compare", i + 1, len(prompts))
     report.sampled = check_sampled(replays, depth, gap, thresholds.sampling_z, sampling.rule)
+    if report.sampled.drafter_open and hasattr(reference, "replay"):
+        report.sampled.greedy = _greedy_drafts(reference, runtime, prompts, depth, max_new_tokens, seed, gap, phases)
     report.failures = report.sampled.failures()
     report.judge_evidence()
     report.timings = phases.as_json()
     return report
+
+
+def _greedy_drafts(reference: Speculator, runtime: Speculator, prompts: list[list[int]], depth: int,
+                   max_new_tokens: int, seed: int, gap: float, phases: Phases) -> GreedyDrafts:
+    """The runtime run greedy over the same prompts, each replayed: does its drafter draft as the
+    reference's? (Under greedy-drafts its drafts are the argmax whatever the temperature.)"""
+    rounds, ties, untied = 0, 0, []
+    with phases.phase("greedy_drafts", total=len(prompts)):
+        for i, prompt in enumerate(prompts):
+            run = runtime.run(prompt, max_new_tokens, depth, 0.0, seed + i)
+            found = divergences(reference.replay(prompt, run), run, gap, run.drafts if runtime.reports_drafts else None)
+            rounds += len(run.accepted_per_step)
+            ties += sum(d.tie for d in found or [])
+            untied += [f"prompt {i}, {d.describe()} ({_untied_symptom(d)})" for d in found or [] if not d.tie]
+            phases("greedy_drafts", i + 1, len(prompts))
+    return GreedyDrafts(len(prompts), rounds, ties, untied)
 
 
 def _sampled_row(prompt: list[int], run: SpecResult, check: SamplingCheck) -> PromptRow:

@@ -88,11 +88,13 @@ def sampled_lines(report: ParityReport) -> list[str]:
                                                f"at fault: {check.at_fault}"), "",
              *([f"{len(check.emitted_drafts)} rejections emitted the reference's own draft; the sampler is shown "
                 "wrong, so they tell nothing of the drafter", ""] if check.emitted_drafts and check.sampler_wrong
-               else []),
+               and check.greedy is None else []),
+             *([f"the drafter checked greedy, as the sampled run left it open: {check.greedy.describe()}", ""]
+               if check.greedy is not None else []),
              f"(b) acceptance: tau {observed:.3f} observed vs {expected:.3f} expected from the target's probabilities "
              f"(95 %: +-{half:.3f}; z {_z(check.tau_z)})", "",
              "| draft position | rounds reaching it | accepted | expected | 95 % interval | z | rejections emitting "
-             "the draft | z of accepted or emitting (>= 0 whatever was drafted) |", "|---|---|---|---|---|---|---|---|"]
+             "the draft | z of the draft accepted or emitted (0 whatever was drafted) |", "|---|---|---|---|---|---|---|---|"]
     for law in check.positions:
         low, high = law.interval()
         lines.append(f"| {law.position} | {law.reached} | {law.accepted} | {law.expected:.1f} | {low:.1f} .. {high:.1f} "

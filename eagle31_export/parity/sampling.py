@@ -13,18 +13,22 @@ runtime's own output (its tokens and per-round accepted counts) the reference's 
     without independence); each position and the total (tau) are held to it at `z` sigma.
 
 Which side is at fault, per draft position, with a correct sampler and ANY drafter:
-- a round whose runtime drafted d (ours) accepts it with probability p(d); one that drafted another d'
-  accepts d' with p(d') or, rejecting, emits d with probability (1 - p(d')) p(d) / (1 - p(d')) = p(d).
-  So "accepted, or a rejection that emitted d" happens with probability >= p(d) in every round: that
-  count far below sum(p) is the sampler's fault whatever the runtime drafted (`low`);
+- a round whose runtime drafted d (ours) accepts it with probability p(d) and never emits it at a
+  rejection; one that drafted another d' never accepts d and, rejecting d', emits d with probability
+  (1 - p(d')) p(d) / (1 - p(d')) = p(d). So "d accepted, or a rejection that emitted d" happens with
+  probability exactly p(d) in every round: that count beyond sum(p) at `z` sigma, either way, is the
+  sampler's fault whatever the runtime drafted (`low`, `high`);
 - a rejection emits d with probability <= p(d) / (1 - max over x != d of p(x)) (0 if it drafted d):
   far more such rejections than those bounds allow (a Chernoff bound) is the sampler emitting its
   drafts (`emits`);
-- an accepted token that is not d is the drafter's (its symptom by position); so are rejections that
-  emitted d, where no position shows the sampler wrong (a sampler that emits drafts somewhere may
-  emit them anywhere: then they tell nothing of the drafter);
-- the reference's draft accepted far more often than sum(p) is the sampler's too, whatever was
-  drafted (a round accepts d with probability p(d) only where it drafted d);
+- an accepted token that is not d is the drafter's (its symptom by position);
+- a rejection that emitted d is the drafter's (it drafted another token) or the sampler's (it did not
+  mask its draft). One run under sampling cannot always tell which, so the runtime is then run greedy
+  over the same prompts and replayed (`GreedyDrafts`): under this rule drafts are the drafter's argmax
+  whatever the temperature, so a greedy run with every round as the reference's (ties aside) clears
+  the drafter and leaves those rejections to the sampler; one that differs names the drafter. Without
+  that run, they are the drafter's where no position shows the sampler wrong (a sampler that emits
+  drafts somewhere may emit them anywhere: then they tell nothing of the drafter);
 - with none of these, (b) on the accepted count alone, both ways, is the sampler's ("its rejection
   sampler or its sampling parameters").
 """
@@ -85,16 +89,15 @@ class PositionLaw:
         return (self.accepted - self.expected) / math.sqrt(self.variance) if self.variance > 0 else None
 
     @property
-    def z_either(self) -> float | None:
-        """z of accepted-or-emitted-the-draft against sum(p): >= 0 in expectation whatever was drafted."""
-        return ((self.accepted + self.matched - self.expected) / math.sqrt(self.variance)
-                if self.variance > 0 else None)
+    def drafted_or_emitted(self) -> int:
+        """Rounds here that accepted the reference's draft d or emitted d at a rejection: each one's
+        probability is exactly p(d) with a correct sampler, whatever the runtime drafted."""
+        return self.accepted - self.accepted_other + self.matched
 
     @property
-    def z_same(self) -> float | None:
-        """z of the accepted tokens that are the reference's draft against sum(p): <= 0 in expectation
-        whatever was drafted (a round accepts d with probability p(d) only where it drafted d)."""
-        return ((self.accepted - self.accepted_other - self.expected) / math.sqrt(self.variance)
+    def z_either(self) -> float | None:
+        """z of `drafted_or_emitted` against sum(p): 0 in expectation whatever was drafted."""
+        return ((self.drafted_or_emitted - self.expected) / math.sqrt(self.variance)
                 if self.variance > 0 else None)
 
     @property
@@ -114,9 +117,29 @@ class PositionLaw:
 
     def to_json(self) -> dict:
         low, high = self.interval()
-        return {**asdict(self), "z": self.z, "z_accepted_or_emitted": self.z_either, "z_accepted_same": self.z_same,
-                "emits_tail": self.emits_tail,
+        return {**asdict(self), "z": self.z, "drafted_or_emitted": self.drafted_or_emitted,
+                "z_drafted_or_emitted": self.z_either, "emits_tail": self.emits_tail,
                 "interval_95": [low, high]}
+
+
+@dataclass
+class GreedyDrafts:
+    """The runtime run greedy over the same prompts and replayed: whether its drafter drafts as the
+    reference's (every round's accepted count and token equal, ties aside)."""
+
+    prompts: int
+    rounds: int
+    ties: int
+    untied: list[str]  # differences beyond the tie tolerance, each with its symptom
+
+    @property
+    def exact(self) -> bool:
+        return self.rounds > 0 and not self.untied
+
+    def describe(self) -> str:
+        return (f"run greedy over the same {self.prompts} prompts, its {self.rounds} rounds "
+                + ("are the reference's" + (f" ({self.ties} ties)" if self.ties else "") if self.exact else
+                   f"differ from the reference's in {len(self.untied)} places"))
 
 
 @dataclass
@@ -129,6 +152,13 @@ class SamplingCheck:
     prompts: list[PromptDrafts]
     positions: list[PositionLaw]
     rounds: int
+    greedy: GreedyDrafts | None = None  # the drafter checked greedy, where the sampled run left it open
+
+    @property
+    def drafter_open(self) -> bool:
+        """The sampled run alone cannot clear or name the drafter: rejections emitted the reference's
+        draft (another draft, or a sampler that did not mask it) and no accepted token names it."""
+        return bool(self.emitted_drafts) and not any(p.mismatch for p in self.prompts)
 
     @property
     def drafts_exact(self) -> bool:
@@ -148,11 +178,11 @@ class SamplingCheck:
         return [e for p in self.prompts for e in p.emitted_drafts]
 
     def _sampler_positions(self) -> tuple[list[PositionLaw], list[PositionLaw], list[PositionLaw]]:
-        """Positions showing the sampler wrong whatever the runtime drafted: (too few accepted or emitting
-        the draft, the reference's draft accepted far too often, rejections emitting the draft more often
-        than a correct sampler can)."""
+        """Positions showing the sampler wrong whatever the runtime drafted: (the reference's draft
+        accepted or emitted far less often than p(d) allows, far more often, rejections emitting it more
+        often than a correct sampler can)."""
         low = [law for law in self.positions if law.z_either is not None and law.z_either < -self.z]
-        high = [law for law in self.positions if law.z_same is not None and law.z_same > self.z]
+        high = [law for law in self.positions if law.z_either is not None and law.z_either > self.z]
         emits = [law for law in self.positions if law.emits_tail < EMITTED_DRAFT_ALPHA]
         return low, high, emits
 
@@ -204,8 +234,10 @@ class SamplingCheck:
 
     def _drafter_failures(self) -> list[str]:
         out = [f"prompt {p.prompt_index}: {p.mismatch} ({p.symptom})" for p in self.prompts if p.mismatch]
-        if self.sampler_wrong:
-            return out  # a sampler shown wrong may emit drafts anywhere: those no longer tell of the drafter
+        if self.greedy is not None and self.greedy.untied:
+            out += [f"{self.greedy.describe()}: {self.greedy.untied[0]}"]
+        elif self.greedy is not None or self.sampler_wrong:
+            return out  # drafts emitted at rejections are the sampler's (greedy cleared the drafter) or tell nothing
         for law in self.positions:
             if law.matched:
                 first = next(p for p in self.prompts for e in p.emitted_drafts if e[1] == law.position)
@@ -217,15 +249,18 @@ class SamplingCheck:
 
     def _sampler_failures(self) -> list[str]:
         low, high, emits = self._sampler_positions()
-        out = [f"draft position {law.position}: {law.accepted} drafts accepted and {law.matched} rejections that "
-               f"emitted the reference's draft in {law.reached} rounds, {law.expected:.1f} expected at least "
-               f"whatever was drafted (z = {law.z_either:+.1f}): {ENGINE_FEWER}" for law in low]
-        out += [f"draft position {law.position}: {law.accepted - law.accepted_other} of {law.reached} drafts accepted, "
-                f"{law.expected:.1f} expected at most whatever was drafted (z = {law.z_same:+.1f}): {ENGINE_MORE}"
-                for law in high]
-        out += [f"draft position {law.position}: {law.matched} of {law.reached - law.accepted} rejections emitted the "
-                f"reference's draft, at most {law.match_bound:.1f} expected with a correct sampler whatever was "
-                f"drafted (P <= {law.emits_tail:.1g}): {ENGINE_EMITS}" for law in emits]
+        out = [f"draft position {law.position}: {law.matched} of {law.reached - law.accepted} rejections emitted the "
+               f"reference's draft, at most {law.match_bound:.1f} expected with a correct sampler whatever was "
+               f"drafted (P <= {law.emits_tail:.1g}): {ENGINE_EMITS}" for law in emits]
+        out += [f"draft position {law.position}: {law.drafted_or_emitted} of {law.reached} rounds accepted the "
+                f"reference's draft or emitted it at a rejection, {law.expected:.1f} expected whatever was drafted "
+                f"(z = {law.z_either:+.1f}): {ENGINE_FEWER if law.z_either < 0 else ENGINE_MORE}"
+                for law in sorted(low + high, key=lambda law: law.position)]
+        if self.greedy is not None and self.greedy.exact:
+            out += [f"draft position {law.position}: {law.matched} rejections emitted the reference's own draft, "
+                    f"which a rejection masks out, and the engine's drafter drafts as the reference's "
+                    f"({self.greedy.describe()}): {ENGINE_EMITS}"
+                    for law in self.positions if law.matched and law not in emits]
         if out or any(p.mismatch for p in self.prompts) or self.emitted_drafts:
             return out  # the law of the accepted count alone holds only where every draft was ours
         out = [self._law_failure(f"draft position {law.position}", law.accepted, law.expected, law.z, law.reached)
@@ -262,7 +297,8 @@ class SamplingCheck:
                 "tau": {"observed": observed, "expected": expected, "half_width_95": half, "z": self.tau_z},
                 "positions": [law.to_json() for law in self.positions],
                 "prompts_to_see_tau_change": {"change": TAU_CHANGE, "prompts": self.prompts_to_see()},
-                "prompts": [asdict(p) for p in self.prompts]}
+                "prompts": [asdict(p) for p in self.prompts],
+                "greedy": None if self.greedy is None else {**asdict(self.greedy), "exact": self.greedy.exact}}
 
 
 def check_sampled(replays: list[list[SampledRound]], depth: int, tie_gap: float, z: float,
