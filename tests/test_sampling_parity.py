@@ -165,7 +165,7 @@ def test_a_sampler_emitting_its_drafts_is_named_once_greedy_clears_the_drafter(s
         return len(drafts), self.pick(target_logits[len(drafts)])
 
     monkeypatch.setattr(_Sampler, "verify", verify)
-    report = _sampled(*sides, 1.0)
+    report = _sampled(*sides, 1.0, PROMPTS[:4], 32)
     check = report.sampled
     assert check.emitted_drafts and check.greedy is not None and check.greedy.exact, check.to_json()["greedy"]
     assert check.greedy.rounds > 20 and report.verdict == "FAIL" and check.at_fault == "sampler", report.failures
