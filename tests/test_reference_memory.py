@@ -236,3 +236,35 @@ def test_grouped_keys_are_read_in_place_with_transformers_own_numbers(bf16_pair,
     target.reset()
     for piece, logits in zip((ids[:, :24], ids[:, 24:36], ids[:, 36:]), want):
         assert torch.equal(target.forward(piece)[0], logits)
+
+
+def _pages_mapped(t: torch.Tensor) -> tuple[int, int]:
+    """(pages of `t`'s bytes present in this process's page tables, pages in all), from
+    /proc/self/pagemap (bit 63: present; readable by the process itself on Linux)."""
+    import os
+    import struct
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, stop = t.data_ptr() // page, (t.data_ptr() + t.numel() * t.element_size() - 1) // page + 1
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(start * 8)
+        entries = struct.unpack(f"{stop - start}Q", f.read((stop - start) * 8))
+    return sum(e >> 63 for e in entries), stop - start
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/pagemap"), reason="needs Linux /proc/self/pagemap")
+def test_the_embedding_table_is_checked_from_the_file_and_only_seen_rows_are_read(tmp_path):
+    """Loading checks every value (a NaN anywhere in the table refuses the checkpoint), yet the
+    table's file mapping holds only the pages of the rows a forward read: its values are checked
+    through the files in pieces, not through the model (a 1 GB table at 8B widths)."""
+    from eagle31_export.formats.target.checkpoint import _tables_read_sparsely
+
+    target = make_target(tmp_path / "t", "llama", seed=5, num_layers=1, dtype=torch.bfloat16, vocab=16384)
+    model = load_causal_lm(target, dtype=torch.float32, stored_weights=True)
+    table = model.get_input_embeddings().weight
+    assert _tables_read_sparsely(model, SafetensorsDir(target)) == {"model.embed_tokens.weight"}
+    ref = ReferenceTarget(compute_in(model, torch.float32), (0,))
+    ref.forward(IDS)
+    present, pages = _pages_mapped(table)
+    row_pages = -(-table.shape[1] * table.element_size() // 4096) + 1  # a row may straddle two pages
+    assert pages > 100 and present <= IDS.numel() * row_pages, (present, pages)

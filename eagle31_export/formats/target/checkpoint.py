@@ -38,7 +38,7 @@ from eagle31_export.formats.safetensors_io import (
     stored_float_dtype,
     upcasts_exactly,
 )
-from eagle31_export.formats.weight_checks import FLOAT_DTYPES, role_of, scan_checkpoint, scan_tensors
+from eagle31_export.formats.weight_checks import FLOAT_DTYPES, check_values, role_of, scan_checkpoint, scan_tensors
 
 # Where transformers causal LMs keep their decoder layer stack (reference.target taps these).
 DECODER_LAYER_PATHS = ("model.layers", "model.language_model.layers", "transformer.h", "model.decoder.layers")
@@ -310,10 +310,31 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     else:
         model = _load_stored(path, dtype, layout) if stored_weights else _load_plain(path, dtype)
     params = list(model.named_parameters())
-    scan = scan_tensors(params, {n: role_of(n, p.dim()) for n, p in params}, zero_norms_ok=layout.zero_norms_ok)
+    roles = {n: role_of(n, p.dim()) for n, p in params}
+    tables = _tables_read_sparsely(model, SafetensorsDir(path)) if stored_weights else set()
+    scan = scan_tensors([(n, p) for n, p in params if n not in tables], roles, zero_norms_ok=layout.zero_norms_ok)
+    scan.problems += check_values(SafetensorsDir(path).iter_chunks(sorted(tables)), roles).problems
     if scan.problems:
         raise CheckpointError(_first_of(path, scan.problems))
     return model
+
+
+def _tables_read_sparsely(model: torch.nn.Module, source: SafetensorsDir) -> set[str]:
+    """Embedding tables held as the checkpoint stores them (views of its file mapping), whose values
+    are checked from the files in pieces instead of through the model: a forward reads only the
+    rows of the tokens it sees, so the rest of a 128k-row table (1 GB at 8B widths, bf16) stays out
+    of the process's memory. Tables under another name, dtype or shape are checked in memory."""
+    names = {f"{prefix}.weight" if prefix else "weight" for prefix, module in model.named_modules()
+             if isinstance(module, torch.nn.Embedding)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = set()
+    for name, param in model.named_parameters():
+        if name not in names or name not in source or (head is not None and head.weight is param):
+            continue  # a table the lm_head shares is read whole at every step anyway
+        shape, dtype = source.shape_and_dtype(name)
+        if tuple(shape) == tuple(param.shape) and FLOAT_TORCH_DTYPES.get(dtype) == param.dtype:
+            out.add(name)
+    return out
 
 
 def _load_stored(path: Path, dtype: torch.dtype, layout: TargetLayout):
