@@ -134,3 +134,13 @@ def test_reciprocal_is_not_an_involution_in_fp32():
     values = [float(v) for v in torch.exp(torch.linspace(-20, 20, 2000))]  # FP32-representable
     misses = sum(nvfp4.reciprocal_f32(nvfp4.reciprocal_f32(v)) != v for v in values)
     assert 50 < misses < 1000
+
+
+def test_codes_and_values_are_computed_on_the_device_of_the_data():
+    """A target placed on a GPU (`--device cuda`) decodes its weights there. The meta device stands in
+    for the GPU: its tensors cannot be mixed with the CPU tables either, which is how a CUDA run failed
+    ("indices should be either on cpu or on the same device as the indexed tensor")."""
+    q = nvfp4.quantize(torch.randn(4, 32))
+    on_meta = [t.to("meta") for t in q]
+    assert nvfp4.dequantize(*on_meta, torch.bfloat16).device.type == "meta"
+    assert nvfp4.e2m1_codes(torch.randn(4, 8, device="meta")).device.type == "meta"

@@ -54,7 +54,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """
     mag = x.abs()
     # searchsorted(right=False) puts a value equal to a midpoint on the lower side...
-    codes = torch.searchsorted(_MIDPOINTS.to(mag.dtype), mag, out_int32=True).to(torch.uint8)
+    codes = torch.searchsorted(_MIDPOINTS.to(mag.device, mag.dtype), mag, out_int32=True).to(torch.uint8)
     # ...which is right for every tie except those whose lower neighbour has an odd mantissa.
     ties_up = (mag == _TIES_UP[0]) | (mag == _TIES_UP[1]) | (mag == _TIES_UP[2])
     return ((x < 0).to(torch.uint8) << 3) + codes + ties_up.to(torch.uint8)
@@ -73,7 +73,8 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    return E2M1_VALUES[codes.long()]
+    # The table goes where the codes are: a target placed on a GPU (`--device cuda`) decodes there.
+    return E2M1_VALUES.to(codes.device)[codes.long()]
 
 
 def abs_max(x: torch.Tensor) -> torch.Tensor:
