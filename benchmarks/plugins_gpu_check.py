@@ -106,6 +106,8 @@ def check_fc_norm(cpu, cuda, device) -> list[Check]:
     cases = [  # (k, rows, ht, h): every tile configuration, odd sizes, 1..5 sources
         (1, 1, 64, 40), (3, 1, 64, 48), (3, 16, 128, 96), (3, 17, 128, 96), (2, 64, 256, 64),
         (3, 65, 256, 64), (5, 256, 64, 80), (3, 3, 33, 17), (4, 20, 7, 9),
+        # the few-row kernel (1..8 rows): 2, 4 and 8 rows, K not a multiple of its 256-wide step, H odd
+        (2, 2, 264, 33), (3, 7, 136, 37), (5, 8, 512, 24),
     ]
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for k, rows, ht, h in cases:
@@ -298,7 +300,8 @@ def main() -> int:
           end="")
     print(f"measured device copy {copy / 1e9:.0f} GB/s")
     print_table(f"Eagle31FcNorm {args.dtype}, H={KIMI['hidden']}, Ht={KIMI['target_hidden']}, k={KIMI['sources']} "
-                "(bytes = weight once + activations + output; torch = per-source RMSNorm, cat, linear)",
+                "(bytes = weight once + activations + output; torch = per-source RMSNorm, cat, linear; "
+                "rows <= 4: the matrix-vector kernel (up to 8 rows where they fit 100 KB of shared memory), more: tensor cores)",
                 bench_fc_norm(cuda, device, dtype, row_counts), peak, copy)
     print_table(f"Eagle31PostNormFeedback {args.dtype}, H={KIMI['hidden']} "
                 "(bytes = 2 reads + 2 writes; small row counts are launch/latency-bound, not bandwidth-bound)",
