@@ -11,8 +11,8 @@
 //     accumulated separately and added to the result scaled by s_i[r] when the source ends;
 //   - s_i[r] is computed from the activation tiles already staged in shared memory for the MMA,
 //     so the norm prologue costs no extra global traffic.
-// 1..8 rows (fp16/bf16, aligned, one source's rows within 100 KB): a matrix-vector kernel, below;
-// on an H200 at Kimi sizes it reads W' at 2.6-3.8 TB/s where this tiled kernel reached ~1 TB/s
+// 1..8 rows (fp16/bf16, aligned): a matrix-vector kernel, below;
+// on an H200 at Kimi sizes it reads W' at 1.6-3.8 TB/s where this tiled kernel reached ~1 TB/s
 // (plugins/README.md, "Measured on an NVIDIA H200").
 // fp32 path: one warp per output feature on CUDA cores (kept exact; not a tensor-core path).
 #include <cstdint>
@@ -214,9 +214,9 @@ void launch_tc(const FcNormArgs& p, const T* weight, T* out, cudaStream_t stream
 // With a handful of rows the product is a matrix-vector product, bound by reading W' once. The
 // tensor-core kernel walks K in 64-column strips, so at any moment all blocks read 128-byte pieces
 // of rows 43 KB apart (~1 TB/s measured on an H200 at 1..16 rows). Here each warp reads its own
-// feature rows front to back, 512 contiguous bytes per load, streamed past L1 (`__ldcs`). Each
-// source's activations [rows, Ht] are staged in shared memory once per block (every warp reads all
-// of them: from L1/L2 that traffic was rows times the weight's), and their squares summed there.
+// feature rows front to back, 512 contiguous bytes per load, streamed past L1 (`__ldcs`). The
+// activations are staged in shared memory once per block, a 40 KB piece at a time (every warp reads
+// all of them: from L1/L2 that traffic was rows times the weight's), their squares summed meanwhile.
 
 // Eight consecutive elements (16 bytes, 16-byte aligned) as floats.
 template <typename T>
@@ -235,42 +235,22 @@ __device__ __forceinline__ void unpack8(uint4 bits, float (&v)[8]) {
     }
 }
 
-// Stage rows [0, rows) of one source into `staged` ([R][ht] as 16-byte chunks) and return each
-// row's 1/rms (1 without the norm) in `inv_rms`, summed in a fixed order (deterministic).
-template <typename T, int R, int WARPS>
-__device__ __forceinline__ void stage_source(const FcNormArgs& p, const T* act, uint4* staged, float* warp_ss,
-                                             float* inv_rms) {
-    const int chunks = p.ht / 8;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        float ss = 0.0f;
-        if (r < p.rows) {
-            const uint4* src = reinterpret_cast<const uint4*>(act + static_cast<int64_t>(r) * p.ht);
-            for (int c = threadIdx.x; c < chunks; c += 32 * WARPS) {
-                const uint4 bits = __ldg(src + c);
-                staged[r * chunks + c] = bits;
-                float v[8];
-                unpack8<T>(bits, v);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
-            }
-        }
-        ss = warp_sum(ss);
-        if (threadIdx.x % 32 == 0) warp_ss[(threadIdx.x / 32) * R + r] = ss;
-    }
-    __syncthreads();
-    if (threadIdx.x < R) {
-        float ss = 0.0f;
-        for (int w = 0; w < WARPS; ++w) ss += warp_ss[w * R + threadIdx.x];
-        inv_rms[threadIdx.x] = p.has_norm ? inverse_rms(ss, p.ht, p.eps) : 1.0f;
-    }
-    __syncthreads();
+// Shared memory one staged piece of activations takes at most: [R rows][piece columns]. 40 KB stays
+// within the 48 KB a launch gets without opting in, and leaves room for several blocks per SM.
+constexpr int kRowsPieceBytes = 40 * 1024;
+
+// 16-byte chunks per row in one piece: a whole source's row where it fits (small R stages less).
+__host__ __device__ inline int rows_piece_chunks(int rows_r, int ht) {
+    const int fit = kRowsPieceBytes / (rows_r * 16);
+    return ht / 8 < fit ? ht / 8 : fit;
 }
 
-template <typename T, int R, int NF, int U, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, 2) fc_norm_rows_kernel(FcNormArgs p, const T* __restrict__ weight,
-                                                                     T* __restrict__ out) {
-    extern __shared__ uint4 staged[];  // [R][ht / 8]: one source's activations
+// MIN_BLOCKS caps the registers so that more warps keep loads in flight: at 1 row the kernel fits 64.
+template <typename T, int R, int NF, int U, int WARPS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
+    fc_norm_rows_kernel(FcNormArgs p, const T* __restrict__ weight, T* __restrict__ out) {
+    extern __shared__ uint4 staged[];  // [R][PIECE]: a piece of one source's activations
+    const int PIECE = rows_piece_chunks(R, p.ht);
     __shared__ float warp_ss[WARPS * R];
     __shared__ float inv_rms[R];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -289,53 +269,84 @@ __global__ void __launch_bounds__(32 * WARPS, 2) fc_norm_rows_kernel(FcNormArgs 
         for (int r = 0; r < R; ++r) y[f][r] = 0.0f;
     }
     for (int i = 0; i < p.k; ++i) {
-        if (i > 0) __syncthreads();  // every warp is done with the previous source's staged rows
-        stage_source<T, R, WARPS>(p, static_cast<const T*>(p.sources.ptr[i]), staged, warp_ss, inv_rms);
-        const int64_t col0 = static_cast<int64_t>(i) * p.ht;
-        float part[NF][R];
+        const T* act = static_cast<const T*>(p.sources.ptr[i]);
+        const uint4* wsrc[NF];
 #pragma unroll
-        for (int f = 0; f < NF; ++f) {
+        for (int f = 0; f < NF; ++f) wsrc[f] = reinterpret_cast<const uint4*>(wrow[f] + static_cast<int64_t>(i) * p.ht);
+        float part[NF][R], sum_sq[R];
 #pragma unroll
-            for (int r = 0; r < R; ++r) part[f][r] = 0.0f;
+        for (int r = 0; r < R; ++r) {
+            sum_sq[r] = 0.0f;
+#pragma unroll
+            for (int f = 0; f < NF; ++f) part[f][r] = 0.0f;
         }
-        // U loads of each feature row in flight before any is used: a warp keeps U * NF * 512 bytes
-        // of the weight coming, which is what hides HBM latency.
-        for (int base = lane; base < chunks; base += U * 32) {
-            uint4 wbits[U][NF];
+        for (int piece0 = 0; piece0 < chunks; piece0 += PIECE) {
+            const int piece = min(PIECE, chunks - piece0);
+            __syncthreads();  // every warp is done with the previous piece
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int c = base + u * 32;
+            for (int r = 0; r < R; ++r) {
+                if (r >= p.rows) break;
+                const uint4* src = reinterpret_cast<const uint4*>(act + static_cast<int64_t>(r) * p.ht) + piece0;
+                for (int c = threadIdx.x; c < piece; c += 32 * WARPS) {
+                    const uint4 bits = __ldg(src + c);
+                    staged[r * PIECE + c] = bits;
+                    float v[8];
+                    unpack8<T>(bits, v);
 #pragma unroll
-                for (int f = 0; f < NF; ++f) {
-                    wbits[u][f] = c < chunks ? __ldcs(reinterpret_cast<const uint4*>(wrow[f] + col0) + c)
-                                             : make_uint4(0, 0, 0, 0);
+                    for (int e = 0; e < 8; ++e) sum_sq[r] += v[e] * v[e];
                 }
             }
+            __syncthreads();
+            // U loads of each feature row in flight before any is used: a warp keeps U * NF * 512
+            // bytes of the weight coming, which is what hides HBM latency.
+            for (int base = lane; base < piece; base += U * 32) {
+                uint4 wbits[U][NF];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int c = base + u * 32;
-                if (c >= chunks) break;
-                float w[NF][8];
+                for (int u = 0; u < U; ++u) {
+                    const int c = base + u * 32;
 #pragma unroll
-                for (int f = 0; f < NF; ++f) unpack8<T>(wbits[u][f], w[f]);
+                    for (int f = 0; f < NF; ++f) wbits[u][f] = c < piece ? __ldcs(wsrc[f] + piece0 + c) : make_uint4(0, 0, 0, 0);
+                }
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    if (r >= p.rows) break;
-                    float a[8];
-                    unpack8<T>(staged[r * chunks + c], a);
+                for (int u = 0; u < U; ++u) {
+                    const int c = base + u * 32;
+                    if (c >= piece) break;
+                    float w[NF][8];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) {
+                    for (int f = 0; f < NF; ++f) unpack8<T>(wbits[u][f], w[f]);
 #pragma unroll
-                        for (int f = 0; f < NF; ++f) part[f][r] += w[f][e] * a[e];
+                    for (int r = 0; r < R; ++r) {
+                        if (r >= p.rows) break;
+                        float a[8];
+                        unpack8<T>(staged[r * PIECE + c], a);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+#pragma unroll
+                            for (int f = 0; f < NF; ++f) part[f][r] += w[f][e] * a[e];
+                        }
                     }
                 }
             }
         }
+        // This source's scales, from the squares summed while staging, in a fixed order (deterministic).
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float ss = warp_sum(sum_sq[r]);
+            if (lane == 0) warp_ss[warp * R + r] = ss;
+        }
+        __syncthreads();
+        if (threadIdx.x < R) {
+            float ss = 0.0f;
+            for (int w = 0; w < WARPS; ++w) ss += warp_ss[w * R + threadIdx.x];
+            inv_rms[threadIdx.x] = p.has_norm ? inverse_rms(ss, p.ht, p.eps) : 1.0f;
+        }
+        __syncthreads();
 #pragma unroll
         for (int f = 0; f < NF; ++f) {
 #pragma unroll
             for (int r = 0; r < R; ++r) y[f][r] += inv_rms[r] * warp_sum(part[f][r]);
         }
+        // inv_rms / warp_ss are next written after this source's pieces' __syncthreads.
     }
     if (lane != 0) return;
 #pragma unroll
@@ -347,24 +358,12 @@ __global__ void __launch_bounds__(32 * WARPS, 2) fc_norm_rows_kernel(FcNormArgs 
     }
 }
 
-// Shared memory the few-row kernel stages one source in; it runs only where that fits.
-constexpr int kRowsStagedLimit = 100 * 1024;
-
-template <typename T>
-int rows_staged_bytes(const FcNormArgs& p) {
-    const int r = p.rows <= 1 ? 1 : p.rows <= 2 ? 2 : p.rows <= 4 ? 4 : 8;
-    return r * p.ht * static_cast<int>(sizeof(T));
-}
-
 template <typename T, int R>
 void launch_rows(const FcNormArgs& p, const T* weight, T* out, cudaStream_t stream) {
     constexpr int NF = 2, U = 4, WARPS = 8;
-    auto kernel = fc_norm_rows_kernel<T, R, NF, U, WARPS>;
-    const int smem = R * p.ht * static_cast<int>(sizeof(T));
-    // Above 48 KB a launch must opt in; cheap, and not a stream operation (graph capture is fine).
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRowsStagedLimit);
     const dim3 grid((p.h + NF * WARPS - 1) / (NF * WARPS));
-    kernel<<<grid, 32 * WARPS, smem, stream>>>(p, weight, out);
+    const int smem = R * rows_piece_chunks(R, p.ht) * 16;  // <= 40 KB: within the default 48 KB
+    fc_norm_rows_kernel<T, R, NF, U, WARPS, (R == 1 ? 4 : 2)><<<grid, 32 * WARPS, smem, stream>>>(p, weight, out);
 }
 
 template <typename T>
@@ -373,7 +372,7 @@ void launch_fc_norm_tc(const FcNormArgs& p, const T* weight, T* out, cudaStream_
     for (int i = 0; i < p.k; ++i) vec = vec && aligned16(p.sources.ptr[i]);
     if (!vec) {
         launch_tc<T, 1, 2, 64, 2, false>(p, weight, out, stream);
-    } else if (p.rows <= 8 && rows_staged_bytes<T>(p) <= kRowsStagedLimit) {
+    } else if (p.rows <= 8) {
         if (p.rows == 1) launch_rows<T, 1>(p, weight, out, stream);
         else if (p.rows == 2) launch_rows<T, 2>(p, weight, out, stream);
         else if (p.rows <= 4) launch_rows<T, 4>(p, weight, out, stream);
