@@ -5,6 +5,7 @@ instead of carrying an fp32 copy, and the graphs compute what fp32-stored graphs
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import onnx
@@ -224,3 +225,33 @@ def test_large_widened_weights_are_multiplied_by_column_blocks(pair, tmp_path, m
     # cannot widen them all up front
     waits = [n for n in nodes if n.op_type == "Slice" and n.name.startswith("lm_head/lm_head/")]
     assert len(waits) == len(blocks)
+
+
+def _mapped_kib(path) -> int:
+    """KiB of `path` resident in this process, summed over its mappings (a page mapped twice counts twice)."""
+    total, current = 0, None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            parts = line.split()
+            if parts and not parts[0].endswith(":"):
+                current = parts[5] if len(parts) > 5 else None
+            elif parts and parts[0] == "Rss:" and current == str(path):
+                total += int(parts[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_sessions_share_one_mapping_of_the_weight_files(pair):
+    """drafter_first.onnx and drafter_next.onnx read the same drafter.onnx.data: mapped once, it is resident
+    at most once (ONNX Runtime's own loading maps it per session, and the pages both graphs read count twice)."""
+    from eagle31_export.runtime.onnxruntime import OrtDrafterBackend, OrtTargetBackend
+
+    export = OnnxExport.open(pair["onnx"])
+    target, drafter = OrtTargetBackend(export), OrtDrafterBackend(export)
+    data = pair["onnx"] / "drafter.onnx.data"
+    _, taps = target.forward(torch.tensor([[3, 5, 7, 9]]))
+    positions = torch.arange(4).unsqueeze(0)
+    _, fed_back = drafter.forward(torch.tensor([[5, 7, 9, 11]]), positions, taps, True)
+    drafter.forward(torch.tensor([[2]]), torch.tensor([[4]]), fed_back[:, -1:], False)
+    assert _mapped_kib(data) > 0  # the weights are read from the mapped file, not copied
+    assert _mapped_kib(data) <= data.stat().st_size // 1024 + 4
