@@ -16,7 +16,7 @@ largest step-1 draft-logit difference. fp32 everywhere, TF32 off. Then runs
 benchmarks/plugins_gpu_check.py (the CUDA kernels) as a subprocess and prints its output.
 
 Needs a CUDA build of torch and a visible GPU; exits 2 with one line otherwise. Exit 1 when a pair
-differs. Takes about 2-5 minutes on one H200 (most of it building the CUDA kernels).
+differs. Took 71-75 s on one H200, 14 s of it building the CUDA kernels.
 """
 
 from __future__ import annotations

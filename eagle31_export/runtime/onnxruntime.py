@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -90,11 +91,10 @@ class OnnxExport:
 
     folder: Path
     meta: dict
-    weights: SharedWeights | None = field(default=None, repr=False, compare=False)
 
-    def __post_init__(self):
-        if self.weights is None:
-            self.weights = SharedWeights(self.folder)
+    @cached_property
+    def weights(self) -> SharedWeights:
+        return SharedWeights(self.folder)
 
     @classmethod
     def open(cls, folder: str | os.PathLike) -> "OnnxExport":

@@ -216,7 +216,7 @@ void launch_tc(const FcNormArgs& p, const T* weight, T* out, cudaStream_t stream
 // of rows 43 KB apart (~1 TB/s measured on an H200 at 1..16 rows). Here each warp reads its own
 // feature rows front to back, 512 contiguous bytes per load, streamed past L1 (`__ldcs`). The
 // activations are staged in shared memory once per block, a 40 KB piece at a time (every warp reads
-// all of them: from L1/L2 that traffic was rows times the weight's), their squares summed meanwhile.
+// all of them; staged, each block reads them from L2 once), their squares summed meanwhile.
 
 // Eight consecutive elements (16 bytes, 16-byte aligned) as floats.
 template <typename T>
@@ -245,7 +245,8 @@ __host__ __device__ inline int rows_piece_chunks(int rows_r, int ht) {
     return ht / 8 < fit ? ht / 8 : fit;
 }
 
-// MIN_BLOCKS caps the registers so that more warps keep loads in flight: at 1 row the kernel fits 64.
+// MIN_BLOCKS caps the registers so that more blocks fit on an SM: at 1 row the kernel fits in 64
+// without spilling (tests/test_plugins_nvcc.py holds every kernel to no spills).
 template <typename T, int R, int NF, int U, int WARPS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     fc_norm_rows_kernel(FcNormArgs p, const T* __restrict__ weight, T* __restrict__ out) {
@@ -297,8 +298,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                 }
             }
             __syncthreads();
-            // U loads of each feature row in flight before any is used: a warp keeps U * NF * 512
-            // bytes of the weight coming, which is what hides HBM latency.
+            // U loads of each feature row are issued before any is used, so that a warp waits on
+            // U * NF * 512 bytes of the weight at once rather than on one load at a time.
             for (int base = lane; base < piece; base += U * 32) {
                 uint4 wbits[U][NF];
 #pragma unroll
@@ -367,7 +368,7 @@ void launch_rows(const FcNormArgs& p, const T* weight, T* out, cudaStream_t stre
 }
 
 template <typename T>
-void launch_fc_norm_tc(const FcNormArgs& p, const T* weight, T* out, cudaStream_t stream) {
+void launch_fc_norm_16bit(const FcNormArgs& p, const T* weight, T* out, cudaStream_t stream) {
     bool vec = p.ht % 8 == 0 && aligned16(weight);
     for (int i = 0; i < p.k; ++i) vec = vec && aligned16(p.sources.ptr[i]);
     if (!vec) {
@@ -480,10 +481,10 @@ extern "C" int eagle31_fc_norm_cuda(int dtype, const void* const* sources, int32
             launch_fc_norm_f32(p, static_cast<const float*>(weight), static_cast<float*>(out), s);
             break;
         case EAGLE31_FLOAT16:
-            launch_fc_norm_tc(p, static_cast<const __half*>(weight), static_cast<__half*>(out), s);
+            launch_fc_norm_16bit(p, static_cast<const __half*>(weight), static_cast<__half*>(out), s);
             break;
         case EAGLE31_BFLOAT16:
-            launch_fc_norm_tc(p, static_cast<const __nv_bfloat16*>(weight), static_cast<__nv_bfloat16*>(out), s);
+            launch_fc_norm_16bit(p, static_cast<const __nv_bfloat16*>(weight), static_cast<__nv_bfloat16*>(out), s);
             break;
         default:
             return EAGLE31_BAD_DTYPE;
