@@ -25,6 +25,7 @@ from eagle31_export.cli import (
     verify_cmd,
 )
 from eagle31_export.errors import UserError
+from eagle31_export.process_memory import return_freed_memory
 
 app = typer.Typer(
     name="eagle31-export",
@@ -40,6 +41,7 @@ _DEBUG = {"on": False}
 @app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")) -> None:
     _DEBUG["on"] = debug
+    return_freed_memory()  # long prompts: freed activations leave the process (process_memory.py)
 
 
 def _register() -> None:

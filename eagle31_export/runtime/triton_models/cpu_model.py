@@ -27,6 +27,7 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from eagle31_export.process_memory import return_freed_memory
 from eagle31_export.reference.statistics import statistics
 from eagle31_export.runtime.triton_service import SpeculationService, client_error
 from eagle31_export.runtime.triton_status import STATUS_PARAMETER, tag_status
@@ -51,6 +52,7 @@ def _parameters(request):
 
 class TritonPythonModel:
     def initialize(self, args):
+        return_freed_memory()  # long prompts: freed activations leave the stub process, as in the CLI
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         pair_dir = os.path.join(os.path.dirname(__file__), params.get("pair_dir", "pair"))
