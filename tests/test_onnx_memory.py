@@ -255,3 +255,23 @@ def test_sessions_share_one_mapping_of_the_weight_files(pair):
     drafter.forward(torch.tensor([[2]]), torch.tensor([[4]]), fed_back[:, -1:], False)
     assert _mapped_kib(data) > 0  # the weights are read from the mapped file, not copied
     assert _mapped_kib(data) <= data.stat().st_size // 1024 + 4
+
+
+def test_a_cropped_cache_is_held_as_contiguous_arrays_of_its_own(pair):
+    """Rejected drafts crop the cache. What is kept must be contiguous, or ONNX Runtime copies every
+    layer at the next call while the cropped views still hold the old arrays: three copies of the
+    cache at once, at a long context's peak."""
+    from eagle31_export.runtime.onnxruntime import load_backends
+
+    target, _ = load_backends(pair["onnx"])
+    target.forward(torch.tensor([[3, 5, 7, 9, 11, 13]]))
+    old_keys, old_values = list(target.cache.keys), list(target.cache.values)
+    assert old_keys[0].shape[1] > 1  # several KV heads: a cropped view would not be contiguous
+    target.truncate(4)
+    assert target.length == 4
+    for kept, old in zip(target.cache.keys + target.cache.values, old_keys + old_values):
+        assert kept.flags.c_contiguous and not np.shares_memory(kept, old)
+        np.testing.assert_array_equal(kept, old[:, :, :4])
+    kept = list(target.cache.keys)
+    target.truncate(4)  # nothing to drop: the arrays stay as they are
+    assert all(a is b for a, b in zip(target.cache.keys, kept))

@@ -197,8 +197,14 @@ class _Cache:
         return self.keys[0].shape[2]
 
     def crop(self, length: int) -> None:
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
+        """Keep the first `length` positions, as contiguous arrays made one layer at a time. A cropped
+        view of [1, heads, S, dim] is not contiguous: ONNX Runtime would copy every layer's at the
+        next call, while the views still held the old arrays (three copies of the cache at once)."""
+        if length >= self.length:
+            return
+        for arrays in (self.keys, self.values):
+            for i, array in enumerate(arrays):
+                arrays[i] = np.ascontiguousarray(array[:, :, :length])
 
 
 def _run(session, feeds: dict) -> dict[str, np.ndarray]:
