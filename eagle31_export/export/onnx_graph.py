@@ -177,8 +177,10 @@ class GraphBuilder:
     the current `scope()`, so a node reads `layers.0.self_attn/MatMul_2` in a graph viewer.
     """
 
-    # Widened weights above this many bytes are multiplied by column blocks (`matmul`).
-    WIDE_BLOCK_BYTES = 256 << 20
+    # Widened weights above this many bytes are multiplied by column blocks (`matmul`): the reference's
+    # block too (`reference.upcast.CHUNK_BYTES`). An 8B-class MLP matrix (235 MiB in fp32) is then
+    # never widened whole, and an lm_head block with its sliced narrow copy stays under 100 MiB.
+    WIDE_BLOCK_BYTES = 64 << 20
 
     def __init__(self, name: str, weights: ExternalWeights):
         self.name, self.weights = name, weights
