@@ -334,3 +334,28 @@ def test_a_long_prompt_is_prefilled_in_pieces_with_the_same_rounds(pairs, monkey
     assert [c[0].shape[1] for c in ref_drafter.calls[:6]] == [8] * 5 + [4]  # the last tap waits for round 1
     # target and drafter alternate; the third piece (24 keys: 6 query rows of 4 heads fit) runs as 6 + 2 on each
     assert session_calls[:8] == [8, 8, 8, 8, 6, 2, 6, 2]
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["steps", "chain"])
+def test_batched_requests_split_long_calls_too(pairs, monkeypatch, chain):
+    """The runtime the CLI loads batches the requests in flight (`BatchingSpeculator`); its calls keep
+    scores within SCORE_BYTES as the one-sequence calls do (a 16k prompt's 512-token pieces made 1 GiB
+    of scores a layer there), with the rounds of the one-forward prefill."""
+    import eagle31_export.reference.speculate as spec
+    import eagle31_export.runtime.onnxruntime as ort
+    from eagle31_export.runtime.batching import BatchingSpeculator
+
+    drafter, target, onnx_dir = pairs["fp32", True]
+    pair = load_pair(drafter, target, dtype=torch.float32)
+    whole = speculate(pair.target, pair.drafter, LONG_PROMPT, 20, 3)
+    monkeypatch.setattr(spec, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(ort, "SCORE_BYTES", 2400)  # fp32 scores of 4 heads x 6 queries x 25 keys
+    ort_target, ort_drafter = load_backends(onnx_dir, chain=chain)
+    session_calls = []
+    run = ort._run
+    monkeypatch.setattr(ort, "_run", lambda session, feeds: session_calls.append(feeds["input_ids"].shape)
+                        or run(session, feeds))
+    got = BatchingSpeculator("onnxruntime", ort_target, ort_drafter).run(LONG_PROMPT, 20, 3)
+    assert (got.tokens, got.drafts, got.accepted_per_step) == (whole.tokens, whole.drafts, whole.accepted_per_step)
+    # the third 8-token piece (16 cached keys + 8 new: 6 query rows of 4 heads fit) runs as 6 + 2
+    assert [shape[1] for shape in session_calls[:8]] == [8, 8, 8, 8, 6, 2, 6, 2]

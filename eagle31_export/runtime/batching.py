@@ -217,12 +217,10 @@ class BatchedTarget:
         # the prompt's forward: nothing processed yet, or a later piece of a long prompt (the only
         # forwards that keep their last logits alone: reference.speculate.prefill)
         prefill = _cache_length(self.inner) == 0 or logits_to_keep > 0
-        out = self.batcher.call(self.sequence, ("target",), TARGET_PHASE, self.inner.forward_batch,
-                                (self.inner, input_ids), prefill)
-        if not logits_to_keep:
-            return out
-        logits, taps = out
-        return logits[:, -logits_to_keep:], taps
+        # the inner backend keeps the last `logits_to_keep` logits itself: a long prompt's piece never
+        # holds its [T, V] block
+        return self.batcher.call(self.sequence, ("target",), TARGET_PHASE, self.inner.forward_batch,
+                                 (self.inner, input_ids, logits_to_keep), prefill)
 
 
 class BatchedDrafter:

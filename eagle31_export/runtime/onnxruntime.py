@@ -264,25 +264,33 @@ def run_batch(session, caches: list[_Cache], feeds: list[dict[str, np.ndarray]],
     return results
 
 
-# Bytes of fp32 attention scores, [query heads, T, S] per layer, one graph call may make: the graphs
-# materialise them (and hold them a few times over: mask, sum, softmax), so a longer forward of one
-# sequence runs as calls over pieces of its tokens. Each query row attends to the same keys either way.
+# Bytes of fp32 attention scores, [sequences, query heads, T, S] per layer, one graph call may make: the
+# graphs materialise them (and hold them a few times over: mask, sum, softmax), so a longer forward
+# runs as calls over pieces of its tokens. Each query row attends to the same keys either way.
 SCORE_BYTES = 128 << 20
 
 
-def in_pieces(call, t: int, cache: "_Cache", logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """`call(a, b)` -> (logits [1, b - a, V], states [1, b - a, ...]) for tokens a..b of a forward of
-    `t` tokens, over as many pieces as `SCORE_BYTES` allows against `cache`; the logits of the last
-    `logits_to_keep` tokens only, when given (no [t, V] block is ever held then)."""
-    heads = cache.kv.get("query_heads", cache.kv["heads"])
-    rows = max(1, SCORE_BYTES // (heads * (cache.length + t) * 4))
-    logits, states = None, []
-    for a in range(0, t, rows):
-        piece_logits, piece_states = call(a, min(a + rows, t))
-        logits = piece_logits if logits is None else torch.cat([logits, piece_logits], dim=1)
-        logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
-        states.append(piece_states)
-    return logits, states[0] if len(states) == 1 else torch.cat(states, dim=1)
+def in_pieces(call_once, calls: list, widths: list[int], caches: list["_Cache"], cut,
+              keep: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`call_once(calls)` -> [(logits [1, T_b, V], states [1, T_b, ...])], run over pieces of the
+    sequences' new tokens (`widths`) small enough for `SCORE_BYTES` against their `caches`;
+    `cut(call, a, b)`: a call restricted to its tokens a..b. A sequence takes part in the pieces its
+    tokens reach. `keep[b]`, when not 0: sequence b's last `keep[b]` logits only (no [T, V] block
+    of a long prompt's piece is ever held)."""
+    heads = caches[0].kv.get("query_heads", caches[0].kv["heads"])
+    width = max(widths)
+    rows = max(1, SCORE_BYTES // (len(calls) * heads * (max(c.length for c in caches) + width) * 4))
+    keep = keep or [0] * len(calls)
+    logits: list = [None] * len(calls)
+    states: list[list] = [[] for _ in calls]
+    for a in range(0, width, rows):
+        live = [b for b, w in enumerate(widths) if w > a]
+        got = call_once([calls[b] if rows >= width else cut(calls[b], a, a + rows) for b in live])
+        for b, (piece_logits, piece_states) in zip(live, got):
+            joined = piece_logits if logits[b] is None else torch.cat([logits[b], piece_logits], dim=1)
+            logits[b] = joined[:, -keep[b]:] if keep[b] else joined
+            states[b].append(piece_states)
+    return [(lg, st[0] if len(st) == 1 else torch.cat(st, dim=1)) for lg, st in zip(logits, states)]
 
 
 def _ids(x: torch.Tensor) -> np.ndarray:
@@ -322,14 +330,18 @@ class OrtTargetBackend:
         self.cache.reset()
 
     def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        def piece(a: int, b: int):
-            return self.forward_batch([(self, input_ids[:, a:b])])[0]
-
-        return in_pieces(piece, input_ids.shape[1], self.cache, logits_to_keep)
+        return self.forward_batch([(self, input_ids, logits_to_keep)])[0]
 
     @staticmethod
     def forward_batch(calls: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`forward` of several sequences, [(backend, input_ids)], in one session call."""
+        """`forward` of several sequences, [(backend, input_ids[, logits_to_keep])], in as few session
+        calls as `SCORE_BYTES` allows (one, but for long prompts' pieces)."""
+        return in_pieces(OrtTargetBackend._forward_once, [c[:2] for c in calls], [c[1].shape[1] for c in calls],
+                         [c[0].cache for c in calls], lambda c, a, b: (c[0], c[1][:, a:b]),
+                         [c[2] if len(c) > 2 else 0 for c in calls])
+
+    @staticmethod
+    def _forward_once(calls: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         feeds = []
         for backend, input_ids in calls:
             start, t = backend.cache.length, input_ids.shape[1]
@@ -378,16 +390,21 @@ class OrtDrafterBackend:
         self.cache.reset()
 
     def forward(self, input_ids, positions, hidden, hidden_is_aux):
-        def piece(a: int, b: int):
-            call = (input_ids[:, a:b], positions[:, a:b], hidden[:, a:b], hidden_is_aux)
-            return self.forward_batch([(self, call)])[0]
-
-        return in_pieces(piece, input_ids.shape[1], self.cache)
+        return self.forward_batch([(self, (input_ids, positions, hidden, hidden_is_aux))])[0]
 
     @staticmethod
     def forward_batch(calls: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`forward` of several sequences, [(backend, (input_ids, positions, hidden, hidden_is_aux))], all
-        with the same `hidden_is_aux` (one graph), in one session call."""
+        with the same `hidden_is_aux` (one graph), in as few session calls as `SCORE_BYTES` allows."""
+        def cut(call, a: int, b: int):
+            backend, (ids, positions, hidden, is_aux) = call
+            return backend, (ids[:, a:b], positions[:, a:b], hidden[:, a:b], is_aux)
+
+        return in_pieces(OrtDrafterBackend._forward_once, calls, [c[1][0].shape[1] for c in calls],
+                         [c[0].cache for c in calls], cut)
+
+    @staticmethod
+    def _forward_once(calls: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         first, (_, (_, _, _, hidden_is_aux)) = calls[0][0], calls[0]
         session, name = (first.first, "aux_hidden_states") if hidden_is_aux else (first.next, "hidden_states")
         feeds = [backend._feeds(ids, positions, name, hidden) for backend, (ids, positions, hidden, _) in calls]
