@@ -571,6 +571,12 @@ def _(e):
     o = as_written(edit_config(e.copy("onnx"), lambda m: m["drafter"]["kv_cache"].pop("heads"), "graphs.json"))
     return ["speculate", "--runtime", "onnxruntime", "--onnx", o, "--target", e.fixtures["target"],
             "--prompt-ids", "1,2"], [o]
+@case("artifacts", "onnx-export-of-an-older-version", "re-run `eagle31-export export onnx`")
+def _(e):  # graphs that returned past + new KV (present_*): the runtime appends new entries itself now
+    o = as_written(edit_config(e.copy("onnx"), lambda m: m["drafter"]["kv_cache"].update(returns="present"),
+                               "graphs.json"))
+    return ["speculate", "--runtime", "onnxruntime", "--onnx", o, "--target", e.fixtures["target"],
+            "--prompt-ids", "1,2"], [o]
 @case("artifacts", "graphs-json-is-a-list", "a JSON list; expected an object")
 def _(e):
     o = as_written(edit_config(e.copy("onnx"), lambda m: [m], "graphs.json"))

@@ -171,7 +171,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_drafter_steps_match_the_reference(variant, tmp_path, llama_info, llama_target, target_model):
     """First step, two fed-back steps and the chain graph against the reference, fp32: logits and
-    fed-back state within 1e-4, present KV equal to the reference cache."""
+    fed-back state within 1e-4, past + new KV entries equal to the reference cache."""
     cfg = drafter_config_for(llama_info, **VARIANTS[variant])
     fmt = "speculators" if cfg.norm_before_fc else "specforge"  # SpecForge has no norm_before_fc
     folder = write_drafter(random_drafter(cfg, seed=3), tmp_path / "drafter", fmt)
@@ -192,25 +192,26 @@ def test_drafter_steps_match_the_reference(variant, tmp_path, llama_info, llama_
     np.testing.assert_allclose(got["fed_back_hidden"], want.fed_back.numpy(), atol=1e-4, rtol=0)
     np.testing.assert_array_equal(got["target_token_ids"], ref.draft_to_target(want.logits.argmax(-1)).numpy())
     chain = run_ort(out / "drafter_chain.onnx", feeds)
-    chain_tokens, fed, present = [int(got["target_token_ids"][0, -1])], got["fed_back_hidden"][:, -1:], got
+    chain_tokens, fed = [int(got["target_token_ids"][0, -1])], got["fed_back_hidden"][:, -1:]
+    kv = {f"{kind}_{i}": got[f"new_{kind}_{i}"] for i in range(cfg.num_layers) for kind in ("key", "value")}
     for step in range(1, 3):
         token, position = torch.tensor([[chain_tokens[-1]]]), torch.tensor([[5 + step]])
         with torch.no_grad():
             want = ref(token, position, want.fed_back[:, -1:], cache, False)
         step_feeds = {"input_ids": token.numpy(), "position_ids": position.numpy(), "hidden_states": fed}
-        for i in range(cfg.num_layers):
-            step_feeds[f"past_key_{i}"], step_feeds[f"past_value_{i}"] = present[f"present_key_{i}"], \
-                present[f"present_value_{i}"]
-        present = run_ort(out / "drafter_next.onnx", step_feeds)
-        np.testing.assert_allclose(present["logits"], want.logits.numpy(), atol=1e-4, rtol=0)
-        np.testing.assert_allclose(present["fed_back_hidden"], want.fed_back.numpy(), atol=1e-4, rtol=0)
-        np.testing.assert_allclose(present["present_key_0"], cache.keys[0].numpy(), atol=1e-4, rtol=0)
-        np.testing.assert_allclose(present["present_value_0"], cache.values[0].numpy(), atol=1e-4, rtol=0)
+        step_feeds.update({f"past_{name}": cached for name, cached in kv.items()})
+        nxt = run_ort(out / "drafter_next.onnx", step_feeds)
+        kv = {name: np.concatenate([cached, nxt[f"new_{name}"]], axis=2) for name, cached in kv.items()}
+        np.testing.assert_allclose(nxt["logits"], want.logits.numpy(), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(nxt["fed_back_hidden"], want.fed_back.numpy(), atol=1e-4, rtol=0)
+        assert nxt["new_key_0"].shape[2] == 1  # this call's entry only
+        np.testing.assert_allclose(kv["key_0"], cache.keys[0].numpy(), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(kv["value_0"], cache.values[0].numpy(), atol=1e-4, rtol=0)
         np.testing.assert_allclose(chain["draft_logits"][:, step], want.logits[:, -1].numpy(), atol=1e-4, rtol=0)
-        fed = present["fed_back_hidden"]
-        chain_tokens.append(int(present["target_token_ids"][0, -1]))
+        fed = nxt["fed_back_hidden"]
+        chain_tokens.append(int(nxt["target_token_ids"][0, -1]))
     assert chain["draft_token_ids"][0].tolist() == chain_tokens
-    assert chain["present_key_0"].shape[2] == 6  # the chain returns the committed cache only
+    assert chain["new_key_0"].shape[2] == 6  # the chain returns its first step's entries only
 
 
 def test_fp16_graphs_run_on_onnxruntime(tmp_path, eagle31_dir, llama_target, target_model):
@@ -275,7 +276,7 @@ def test_batch_axis_is_dynamic(export_dir):
              **empty_past(1, 2, 16, 16)}
     single = run_ort(export_dir / "drafter_first.onnx", feeds)
     double = run_ort(export_dir / "drafter_first.onnx", {k: np.concatenate([v, v]) for k, v in feeds.items()})
-    for name in ("logits", "fed_back_hidden", "present_key_0"):
+    for name in ("logits", "fed_back_hidden", "new_key_0"):
         np.testing.assert_allclose(double[name], np.concatenate([single[name]] * 2), atol=1e-5)
 
 

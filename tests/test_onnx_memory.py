@@ -122,7 +122,7 @@ def test_outputs_equal_the_fp32_stored_graphs_and_the_reference(pair):
     aux = torch.randn(1, 5, cfg.fc_in_features, generator=gen)
     feeds = _feeds(cfg, ids, positions, aux)
     got, was = _run(pair["onnx"], "drafter_first.onnx", feeds), _run(pair["onnx32"], "drafter_first.onnx", feeds)
-    for name in ("logits", "fed_back_hidden", "present_key_0"):  # bf16 -> fp32 is exact: the same numbers
+    for name in ("logits", "fed_back_hidden", "new_key_0"):  # bf16 -> fp32 is exact: the same numbers
         np.testing.assert_allclose(got[name], was[name], atol=1e-6, rtol=0)
     target_model = load_causal_lm(pair["target"], dtype=torch.float32)
     ref = build_drafter(ckpt, target_model=target_model)
@@ -133,7 +133,7 @@ def test_outputs_equal_the_fp32_stored_graphs_and_the_reference(pair):
     kv = {f"past_{k}_{i}": np.zeros((1, 2, 0, 16), np.float32) for i in range(LAYERS) for k in ("key", "value")}
     target_feeds = without_padding({"input_ids": ids.numpy(), "position_ids": positions.numpy(), **kv})
     got, was = _run(pair["onnx"], "target.onnx", target_feeds), _run(pair["onnx32"], "target.onnx", target_feeds)
-    for name in ("logits", "aux_hidden_states", "present_value_3"):
+    for name in ("logits", "aux_hidden_states", "new_value_3"):
         np.testing.assert_allclose(got[name], was[name], atol=1e-6, rtol=0)
     with torch.no_grad():
         logits = target_model(ids).logits

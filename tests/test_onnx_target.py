@@ -37,8 +37,10 @@ def empty_past(layers=LAYERS, kv_heads=2, head_dim=16):
     return {f"past_{kv}_{i}": zeros for i in range(layers) for kv in ("key", "value")}
 
 
-def presents_as_past(outputs, layers=LAYERS):
-    return {f"past_{kv}_{i}": outputs[f"present_{kv}_{i}"] for i in range(layers) for kv in ("key", "value")}
+def appended(past, outputs, layers=LAYERS):
+    """The cache after a call: its `past_*` feeds with the call's `new_*` entries appended."""
+    return {f"past_{kv}_{i}": np.concatenate([past[f"past_{kv}_{i}"], outputs[f"new_{kv}_{i}"]], axis=2)
+            for i in range(layers) for kv in ("key", "value")}
 
 
 def run(runner, feeds):
@@ -54,15 +56,18 @@ def check_against_reference(runner, model, aux_ids, atol=1e-4):
     ref.reset()
     ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(3))
     logits, aux = ref.forward(ids)
-    got = run(runner, target_feeds(ids, 0, empty_past()))
+    first = empty_past()
+    got = run(runner, target_feeds(ids, 0, first))
     np.testing.assert_allclose(got["logits"], logits.numpy(), atol=atol, rtol=0)
     np.testing.assert_allclose(got["aux_hidden_states"], aux.numpy(), atol=atol, rtol=0)
     more = torch.tensor([[5, 9]])
     logits, aux = ref.forward(more)
-    got = run(runner, target_feeds(more, 7, presents_as_past(got)))
+    past = appended(first, got)
+    got = run(runner, target_feeds(more, 7, past))
     np.testing.assert_allclose(got["logits"], logits.numpy(), atol=atol, rtol=0)
     np.testing.assert_allclose(got["aux_hidden_states"], aux.numpy(), atol=atol, rtol=0)
-    np.testing.assert_allclose(got["present_key_0"], ref.cache.layers[0].keys.numpy(), atol=atol, rtol=0)
+    assert got["new_key_0"].shape[2] == 2  # this call's entries only
+    np.testing.assert_allclose(appended(past, got)["past_key_0"], ref.cache.layers[0].keys.numpy(), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

@@ -94,12 +94,12 @@ def test_run_batch_pads_caches_left_and_new_tokens_right():
 
     class Session:
         def get_outputs(self):
-            return [type("O", (), {"name": n})() for n in ("logits", "present_key_0", "present_value_0")]
+            return [type("O", (), {"name": n})() for n in ("logits", "new_key_0", "new_value_0")]
 
         def run(self, names, feeds):
             fed.update(feeds)
-            past = np.concatenate([feeds["past_key_0"], np.full((2, 1, 2, 2), 7, np.float32)], axis=2)
-            return [np.zeros((2, 2, 5), np.float32), past, past]
+            new = np.full((2, 1, 2, 2), 7, np.float32)  # this call's entries, new tokens right-padded
+            return [np.zeros((2, 2, 5), np.float32), new, new]
 
     feeds = [{"input_ids": np.array([[4]])}, {"input_ids": np.array([[5, 6]])}]
     out = ort_runtime.run_batch(Session(), caches, feeds, ("logits",))
@@ -108,6 +108,7 @@ def test_run_batch_pads_caches_left_and_new_tokens_right():
     assert fed["past_key_0"][1].sum() == 0 and fed["past_key_0"].shape == (2, 1, 3, 2)
     assert [o["logits"].shape[1] for o in out] == [1, 2]
     assert caches[0].length == 4 and caches[1].length == 2  # own past + own new entries
+    assert caches[0].keys[0].tolist() == [[[[1, 1], [1, 1], [1, 1], [7, 7]]]]
     assert caches[1].keys[0].tolist() == [[[[7, 7], [7, 7]]]]
 
 

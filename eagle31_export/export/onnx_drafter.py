@@ -15,11 +15,13 @@ Two graphs rather than one with a flag: each is a straight line (no `If` for Ten
 handle, no wasted fc GEMM on later steps), and the weights are stored once anyway.
 
 Step outputs: `logits` [B, T, Vd], `target_token_ids` [B, T] (argmax mapped through d2t),
-`fed_back_hidden` [B, T, H] (post-norm under `norm_output`, else pre-norm) and
-`present_key_i` / `present_value_i` = past + this call's entries. The chain returns
-`draft_logits` [B, n, Vd] and `draft_token_ids` [B, n] for the last position of every step, and the
-cache after the FIRST step only: the speculation loop cuts the drafter cache back to the
-committed positions after each round, so the n-1 speculative entries never leave the graph.
+`fed_back_hidden` [B, T, H] (post-norm under `norm_output`, else pre-norm) and `new_key_i` /
+`new_value_i` [B, heads, T, dim]: this call's cache entries only, which the caller appends to its
+cache (returning past + new would hold a second copy of the whole cache for the length of every
+call). The chain returns `draft_logits` [B, n, Vd] and `draft_token_ids` [B, n] for the last
+position of every step, and the FIRST step's entries only: the speculation loop cuts the drafter
+cache back to the committed positions after each round, so the n-1 speculative entries never leave
+the graph.
 The chain continues from each sequence's LAST position, so the sequences of one batched chain call
 carry the same number of new tokens (no right padding; their caches may still be left-padded).
 """
@@ -49,7 +51,8 @@ B, T, PAST, PRESENT = "batch", "sequence", "past_sequence", "present_sequence"
 class StepValues:
     logits: str
     fed_back: str
-    presents: list[tuple[str, str]]
+    caches: list[tuple[str, str]]  # past + this step's entries, per layer: what a next step attends to
+    news: list[tuple[str, str]]  # this step's entries only: the graph's outputs
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ class DrafterGraphWriter:
         g.output(out.logits, "logits", self.elem, [B, T, self.cfg.draft_vocab_size])
         g.output(token_ids, "target_token_ids", INT64, [B, T])
         g.output(out.fed_back, "fed_back_hidden", self.elem, [B, T, self.cfg.hidden_size])
-        self._present_outputs(g, out.presents)
+        self._new_kv_outputs(g, out.news)
         doc = ("EAGLE drafter, first step of a round (tapped target states in)" if hidden_is_aux
                else "EAGLE drafter, steps 2..n (fed-back state in)")
         return g.model(P.plugin_functions(g), doc)
@@ -121,20 +124,20 @@ class DrafterGraphWriter:
             logits, token = self._last_greedy(g, first.logits)
             position = g.op("Slice", positions, g.const([-1]), g.const([2**62]), g.const([1]))
             hidden = g.op("Slice", first.fed_back, g.const([-1]), g.const([2**62]), g.const([1]))
-        all_logits, all_tokens, kv = [logits], [token], first.presents
+        all_logits, all_tokens, kv = [logits], [token], first.caches
         for i in range(2, depth + 1):
             with g.scope(f"step{i}"):
                 position = g.op("Add", position, g.const(1))
                 mask = L.extend_attention_mask(g, mask)
                 out = self._step(g, token, position, hidden, False, kv, mask)
                 logits, token = self._last_greedy(g, out.logits)
-                hidden, kv = out.fed_back, out.presents
+                hidden, kv = out.fed_back, out.caches
             all_logits.append(logits)
             all_tokens.append(token)
         cat = (lambda xs: g.op("Concat", *xs, axis=1)) if depth > 1 else (lambda xs: xs[0])
         g.output(cat(all_logits), "draft_logits", self.elem, [B, depth, self.cfg.draft_vocab_size])
         g.output(cat(all_tokens), "draft_token_ids", INT64, [B, depth])
-        self._present_outputs(g, first.presents)
+        self._new_kv_outputs(g, first.news)
         return g.model(P.plugin_functions(g), f"EAGLE drafter, greedy chain of {depth} steps in one call")
 
     # ---- inputs / outputs -----------------------------------------------------------------
@@ -161,11 +164,11 @@ class DrafterGraphWriter:
     def _mask_input(self, g: GraphBuilder) -> str:
         return g.input("attention_mask", INT64, [B, PRESENT])
 
-    def _present_outputs(self, g: GraphBuilder, presents: list[tuple[str, str]]) -> None:
+    def _new_kv_outputs(self, g: GraphBuilder, news: list[tuple[str, str]]) -> None:
         heads, kd, vd = self.kv_dims()
-        for i, (k, v) in enumerate(presents):
-            g.output(k, f"present_key_{i}", self.elem, [B, heads, PRESENT, kd])
-            g.output(v, f"present_value_{i}", self.elem, [B, heads, PRESENT, vd])
+        for i, (k, v) in enumerate(news):
+            g.output(k, f"new_key_{i}", self.elem, [B, heads, T, kd])
+            g.output(v, f"new_value_{i}", self.elem, [B, heads, T, vd])
 
     # ---- weights --------------------------------------------------------------------------
     def _w(self, g: GraphBuilder, name: str) -> str:
@@ -236,7 +239,7 @@ class DrafterGraphWriter:
         x = g.embedding("embed_tokens.weight", ids=ids, compute=self.dtype, **self._matrix("embed_tokens.weight", False))
         mask = L.attention_bias(g, L.past_len(g, past[0][0]), ids, attention_mask)
         cos, sin = self._rope(g, positions)
-        presents = []
+        caches, news = [], []
         for i in range(cfg.num_layers):
             p = f"layers.{i}"
             with g.scope(p):
@@ -250,8 +253,9 @@ class DrafterGraphWriter:
                                                      "input_layernorm")
                 attend = self._mla if cfg.attention == "mla" else self._gqa
                 with g.scope("self_attn"):
-                    attn, present = attend(g, f"{p}.self_attn", attn_in, cos, sin, past[i], mask)
-                presents.append(present)
+                    attn, cache, new = attend(g, f"{p}.self_attn", attn_in, cos, sin, past[i], mask)
+                caches.append(cache)
+                news.append(new)
                 h1 = g.op("Add", residual, attn)
                 normed = L.rms_norm(g, h1, self._w(g, f"{p}.post_attention_layernorm.weight"), eps,
                                     "post_attention_layernorm")
@@ -262,7 +266,7 @@ class DrafterGraphWriter:
             normed, fed_back = P.post_norm_feedback(g, h1, update, self._w(g, "norm.weight"), eps, cfg.norm_output)
         with g.scope("lm_head"):
             logits = self._linear(g, normed, "lm_head")
-        return StepValues(logits, fed_back, presents)
+        return StepValues(logits, fed_back, caches, news)
 
     def _gqa(self, g: GraphBuilder, p: str, x: str, cos: str, sin: str, past: tuple[str, str], mask: str):
         cfg = self.cfg
@@ -270,9 +274,9 @@ class DrafterGraphWriter:
         q = L.apply_rope(g, L.split_heads(g, self._linear(g, x, f"{p}.q_proj"), heads, hd), cos, sin, hd)
         k = L.apply_rope(g, L.split_heads(g, self._linear(g, x, f"{p}.k_proj"), kv, hd), cos, sin, hd)
         v = L.split_heads(g, self._linear(g, x, f"{p}.v_proj"), kv, hd)
-        k, v = g.op("Concat", past[0], k, axis=2), g.op("Concat", past[1], v, axis=2)
-        out = L.attention(g, q, k, v, mask, heads, kv, hd, hd, self.softmax_scale)
-        return self._linear(g, out, f"{p}.o_proj"), (k, v)
+        cache = L.append_to_cache(g, past, k, v)
+        out = L.attention(g, q, *cache, mask, heads, kv, hd, hd, self.softmax_scale)
+        return self._linear(g, out, f"{p}.o_proj"), cache, (k, v)
 
     def _mla(self, g: GraphBuilder, p: str, x: str, cos: str, sin: str, past: tuple[str, str], mask: str):
         """DeepSeek-V2 MLA as `reference.attention.MlaAttention` (expanded per-head cache)."""
@@ -298,10 +302,10 @@ class DrafterGraphWriter:
         k_pe = L.apply_rope(g, k_pe, cos, sin, m.qk_rope_head_dim)
         heads_shape = g.op("Concat", g.op("Shape", k_nope, start=0, end=3), g.const([m.qk_rope_head_dim]), axis=0)
         k = g.op("Concat", k_nope, g.op("Expand", k_pe, heads_shape), axis=-1)
-        k, v = g.op("Concat", past[0], k, axis=2), g.op("Concat", past[1], v, axis=2)
-        out = L.attention(g, g.op("Concat", q_nope, q_pe, axis=-1), k, v, mask, h, h, m.qk_head_dim, m.v_head_dim,
-                          self.softmax_scale)
-        return self._linear(g, out, f"{p}.o_proj"), (k, v)
+        cache = L.append_to_cache(g, past, k, v)
+        out = L.attention(g, g.op("Concat", q_nope, q_pe, axis=-1), *cache, mask, h, h, m.qk_head_dim,
+                          m.v_head_dim, self.softmax_scale)
+        return self._linear(g, out, f"{p}.o_proj"), cache, (k, v)
 
 
 def _read(source: TensorSource) -> torch.Tensor:

@@ -255,7 +255,8 @@ def _kv_meta(heads: int, key_dim: int, value_dim: int, layers: int, query_heads:
     # query_heads: what a call's attention scores scale with (the runtime sizes long forwards by it)
     return {"layers": layers, "heads": heads, "key_dim": key_dim, "value_dim": value_dim, "query_heads": query_heads,
             "layout": "[batch, heads, sequence, dim]", "inputs": "past_key_{i}, past_value_{i}",
-            "outputs": "present_key_{i}, present_value_{i} (past + this call)"}
+            "outputs": "new_key_{i}, new_value_{i} (this call's entries; the caller appends them)",
+            "returns": "new"}
 
 
 def _save(model: onnx.ModelProto, path: Path) -> dict:

@@ -118,6 +118,12 @@ def merge_heads(g: GraphBuilder, x: str, heads: int, dim: int) -> str:
     return g.op("Reshape", g.op("Transpose", x, perm=[0, 2, 1, 3]), g.const([0, 0, heads * dim]))
 
 
+def append_to_cache(g: GraphBuilder, past: tuple[str, str], k: str, v: str) -> tuple[str, str]:
+    """(past keys + k, past values + v) along the sequence axis of [B, heads, S, dim]: what this call
+    attends to. The graphs output k and v alone; the caller appends them to the cache it holds."""
+    return g.op("Concat", past[0], k, axis=2), g.op("Concat", past[1], v, axis=2)
+
+
 def attention(g: GraphBuilder, q: str, k: str, v: str, mask: str, heads: int, kv_heads: int,
               qk_dim: int, v_dim: int, scale: float | None = None) -> str:
     """Causal (grouped-query) attention over the whole cache; returns [B, T, heads*v_dim]. `mask`:

@@ -4,7 +4,8 @@ Inputs `input_ids` [B, T], `position_ids` [B, T], `past_key_i` / `past_value_i` 
 `attention_mask` [B, P+T] (1: a real key; 0: padding of a batch of sequences of different lengths,
 `onnx_layers.attention_bias`); outputs `logits` [B, T, V], `aux_hidden_states` [B, T, k*H] (the
 OUTPUT of each tapped layer, concatenated in `aux_layer_ids` order, as
-`reference.target.ReferenceTarget` returns them) and `present_key_i` / `present_value_i`.
+`reference.target.ReferenceTarget` returns them) and `new_key_i` / `new_value_i` [B, kv, T, hd],
+this call's cache entries only: the caller appends them to its cache (`onnx_drafter` says why).
 
 The graph is written from the module's weights op by op (not traced), mirroring transformers'
 Llama / Qwen forward: RMSNorm in fp32, rotate-half rope from the model's own rotary tables,
@@ -88,14 +89,14 @@ class TargetGraphWriter:
         x = g.embedding(self._embed_name(), ids=ids, compute=self.dtype, **self._matrix(self._embed_name(), False))
         mask = L.attention_bias(g, L.past_len(g, past[0][0]), ids, attention_mask)
         cos, sin = self._rope(g, positions)
-        taps, presents = {}, []
+        taps, news = {}, []
         for i in range(len(self.layers)):
             p = f"{self.prefix}.{i}"
             with g.scope(p):
                 normed = L.rms_norm(g, x, self._w(g, f"{p}.input_layernorm.weight"), eps, "input_layernorm")
                 with g.scope("self_attn"):
-                    attn, present = self._attention(g, f"{p}.self_attn", normed, cos, sin, past[i], mask)
-                presents.append(present)
+                    attn, new = self._attention(g, f"{p}.self_attn", normed, cos, sin, past[i], mask)
+                news.append(new)
                 x = g.op("Add", x, attn)
                 normed = L.rms_norm(g, x, self._w(g, f"{p}.post_attention_layernorm.weight"), eps,
                                     "post_attention_layernorm")
@@ -108,9 +109,9 @@ class TargetGraphWriter:
         g.output(logits, "logits", self.elem, [B, T, cfg.vocab_size])
         g.output(g.op("Concat", *aux, axis=-1) if len(aux) > 1 else aux[0], "aux_hidden_states", self.elem,
                  [B, T, len(aux) * cfg.hidden_size])
-        for i, (k, v) in enumerate(presents):
-            g.output(k, f"present_key_{i}", self.elem, [B, self.kv_heads, PRESENT, self.head_dim])
-            g.output(v, f"present_value_{i}", self.elem, [B, self.kv_heads, PRESENT, self.head_dim])
+        for i, (k, v) in enumerate(news):
+            g.output(k, f"new_key_{i}", self.elem, [B, self.kv_heads, T, self.head_dim])
+            g.output(v, f"new_value_{i}", self.elem, [B, self.kv_heads, T, self.head_dim])
         functions = [Q.dequantize_function()] if self.nvfp4 and self.flavor == "onnxruntime" else []
         quant = f", NVFP4 weights ({self.flavor} flavour)" if self.nvfp4 else ""
         return g.model(functions, f"{cfg.model_type} target, taps at outputs of layers {list(self.aux_layer_ids)}{quant}")
@@ -187,9 +188,8 @@ class TargetGraphWriter:
         q = L.apply_rope(g, L.split_heads(g, q, heads, hd), cos, sin, hd)
         k = L.apply_rope(g, L.split_heads(g, k, kv, hd), cos, sin, hd)
         v = L.split_heads(g, self._linear(g, x, f"{p}.v_proj"), kv, hd)
-        k, v = g.op("Concat", past[0], k, axis=2), g.op("Concat", past[1], v, axis=2)
         scale = getattr(self.layers[0].self_attn, "scaling", hd ** -0.5)
-        out = L.attention(g, q, k, v, mask, heads, kv, hd, hd, scale)
+        out = L.attention(g, q, *L.append_to_cache(g, past, k, v), mask, heads, kv, hd, hd, scale)
         return self._linear(g, out, f"{p}.o_proj"), (k, v)
 
 

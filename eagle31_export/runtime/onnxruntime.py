@@ -5,7 +5,7 @@
 runs the exported graphs exactly as it runs the reference: same drafts, same verification.
 
 Each backend keeps one sequence's KV cache as numpy arrays [1, heads, S, dim], feeds it as `past_*`,
-stores the returned `present_*`, and crops it on `truncate` (rejected drafts). `fork()` gives another
+appends the call's `new_*` entries to it, and crops it on `truncate` (rejected drafts). `fork()` gives another
 sequence over the same sessions, and `*_batch` runs several sequences in one call, padded and masked
 (`run_batch`): `runtime/batching.py` serves the requests in flight that way.
 """
@@ -152,10 +152,11 @@ class OnnxExport:
 # graphs.json fields the runtime reads: dotted path -> accepted types (drafter; target when present)
 _DRAFTER_FIELDS = {"dtype": str, "drafter.graphs.first.file": str, "drafter.graphs.next.file": str,
                    "drafter.d2t": str, "drafter.max_positions": int, "drafter.kv_cache.layers": int,
-                   "drafter.kv_cache.heads": int, "drafter.kv_cache.key_dim": int, "drafter.kv_cache.value_dim": int}
+                   "drafter.kv_cache.heads": int, "drafter.kv_cache.key_dim": int, "drafter.kv_cache.value_dim": int,
+                   "drafter.kv_cache.returns": str}
 _TARGET_FIELDS = {"target.file": str, "target.vocab_size": int, "target.max_positions": int,
                   "target.aux_layer_ids": list, "target.kv_cache.layers": int, "target.kv_cache.heads": int,
-                  "target.kv_cache.key_dim": int, "target.kv_cache.value_dim": int}
+                  "target.kv_cache.key_dim": int, "target.kv_cache.value_dim": int, "target.kv_cache.returns": str}
 
 
 def _check_meta(path: Path, meta: dict) -> None:
@@ -178,6 +179,9 @@ def _check_meta(path: Path, meta: dict) -> None:
             raise CheckpointError(f"{path}: {dotted} {value!r} is not a file name inside the export folder")
         if kind is int and value < 1:
             raise CheckpointError(f"{path}: field {dotted} is {value}; expected a positive integer")
+        if dotted.endswith("kv_cache.returns") and value != "new":
+            raise CheckpointError(f"{path}: the graphs return {value!r} KV entries; this version appends the "
+                                  "new ones itself: re-run `eagle31-export export onnx`")
 
 
 class _Cache:
@@ -195,6 +199,13 @@ class _Cache:
     @property
     def length(self) -> int:
         return self.keys[0].shape[2]
+
+    def append(self, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
+        """This call's entries [1, heads, T, dim] appended, one layer at a time (so that one layer's
+        old and new arrays are alive together, not the whole cache twice)."""
+        for arrays, new in ((self.keys, keys), (self.values, values)):
+            for i, entries in enumerate(new):
+                arrays[i] = np.concatenate([arrays[i], entries], axis=2)
 
     def crop(self, length: int) -> None:
         """Keep the first `length` positions, as contiguous arrays made one layer at a time. A cropped
@@ -239,8 +250,8 @@ def run_batch(session, caches: list[_Cache], feeds: list[dict[str, np.ndarray]],
 
     Caches are left-padded to the longest and new tokens right-padded to the longest, with
     `attention_mask` marking each sequence's real keys (`onnx_layers.attention_bias`). Outputs come
-    back per sequence: those named in `per_token` cut to its T_b tokens, and its cache takes its own
-    entries of `present_*` (its real past ends, and its new tokens start, at the longest past P).
+    back per sequence: those named in `per_token` cut to its T_b tokens, and its cache gets its T_b
+    entries of `new_*` appended.
     """
     past = max(c.length for c in caches)
     new = [f["input_ids"].shape[1] for f in feeds]
@@ -254,13 +265,14 @@ def run_batch(session, caches: list[_Cache], feeds: list[dict[str, np.ndarray]],
         batch[f"past_key_{i}"] = _stack([_pad(c.keys[i], past, 2, left=True) for c in caches])
         batch[f"past_value_{i}"] = _stack([_pad(c.values[i], past, 2, left=True) for c in caches])
     out = _run(session, batch)
+    del batch  # padded copies of the caches (several sequences) go before the caches grow
+    layers = range(len(caches[0].keys))
     results = []
     for b, (cache, t) in enumerate(zip(caches, new)):
-        keep = slice(past - cache.length, past + t)
-        cache.keys = [out[f"present_key_{i}"][b:b + 1, :, keep] for i in range(len(cache.keys))]
-        cache.values = [out[f"present_value_{i}"][b:b + 1, :, keep] for i in range(len(cache.values))]
+        cache.append([out[f"new_key_{i}"][b:b + 1, :, :t] for i in layers],
+                     [out[f"new_value_{i}"][b:b + 1, :, :t] for i in layers])
         results.append({name: out[name][b:b + 1, :t] if name in per_token else out[name][b:b + 1]
-                        for name in out if not name.startswith("present_")})
+                        for name in out if not name.startswith("new_")})
     return results
 
 
@@ -422,8 +434,8 @@ class OrtChainDrafterBackend(OrtDrafterBackend):
     """`DrafterBackend` that also drafts whole greedy chains with drafter_chain.onnx (one call a round).
 
     The loop calls `draft_chain` at temperature 0 for depths up to the graph's; sampling and
-    deeper chains run on the single-step graphs it inherits. The chain graph returns the cache
-    after its first step only, which is what the loop keeps (it crops to the committed positions).
+    deeper chains run on the single-step graphs it inherits. The chain graph returns its first step's
+    cache entries only, which is what the loop keeps (it crops to the committed positions).
     """
 
     def __init__(self, export: OnnxExport, threads: int | None = None):
