@@ -268,3 +268,33 @@ def test_the_embedding_table_is_checked_from_the_file_and_only_seen_rows_are_rea
     present, pages = _pages_mapped(table)
     row_pages = -(-table.shape[1] * table.element_size() // 4096) + 1  # a row may straddle two pages
     assert pages > 100 and present <= IDS.numel() * row_pages, (present, pages)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/pagemap"), reason="needs Linux /proc/self/pagemap")
+def test_embedding_lookups_give_the_tables_pages_back(tmp_path):
+    """A lookup reads its rows through a read-only mapping of the checkpoint and unmaps the table's
+    pages after it: a long prompt over a large vocabulary (16k tokens over 128k rows at 8B widths)
+    would otherwise leave most of the table mapped, the pages around each row included. The rows
+    are those of the loaded table, bit for bit."""
+    target = make_target(tmp_path / "t", "llama", seed=5, num_layers=1, dtype=torch.bfloat16, vocab=16384)
+    model = compute_in(load_causal_lm(target, dtype=torch.float32, stored_weights=True), torch.float32)
+    embedding = model.get_input_embeddings()
+    table, of = embedding.file_table
+    assert table is not None and of == embedding.weight.data_ptr()
+    ids = torch.randint(0, 16384, (1, 4096), generator=torch.Generator().manual_seed(0))
+    rows = embedding(ids)
+    assert torch.equal(rows, embedding.weight[ids].float())
+    present, pages = _pages_mapped(table)
+    assert pages > 100 and present <= 2, (present, pages)  # the two it shares with its neighbours may stay
+    # the same lookup through the loaded tensor maps most of the table
+    embedding.file_table = (None, None)
+    embedding(ids)
+    present, pages = _pages_mapped(embedding.weight)
+    assert present > pages // 2, (present, pages)
+
+
+def test_a_table_not_mapped_from_a_file_is_looked_up_as_before():
+    embedding = compute_in(nn.Embedding(64, 8, dtype=torch.bfloat16), torch.float32)
+    assert embedding.file_table[0] is None
+    ids = torch.tensor([[1, 5, 63]])
+    assert torch.equal(embedding(ids), embedding.weight[ids].float())

@@ -8,6 +8,9 @@ bytes plus one transient piece:
 - `nn.Linear`: `F.linear(x, W.to(dtype), b)`, over blocks of output rows when the cast weight
   would be large (an fp32 lm_head of 128256 x 4096 is 2 GB; a block is `CHUNK_BYTES`);
 - `nn.Embedding`: index the stored table, cast the rows (the hidden stream then runs in `dtype`);
+  a table loaded from a file is read through a read-only mapping of that file whose pages are
+  given back after each lookup (`process_memory`, "tables read by rows"): a 16k-token prompt over
+  a 128k vocabulary would otherwise leave most of the table resident;
 - any other module with its own floating-point parameters: small ones (norms) are cast once,
   large ones (fused MoE experts, routers) are cast for the duration of each call.
 
@@ -18,12 +21,15 @@ weights are cast once, as loading them in that dtype did.
 from __future__ import annotations
 
 import threading
+import warnings
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from eagle31_export.formats.safetensors_io import upcasts_exactly
+from eagle31_export.process_memory import file_mapping_at, release_read_only_pages
 
 # Bytes of the cast weight one Linear step materialises; below it a Linear is one GEMM (so small
 # models compute exactly as with weights loaded in the compute dtype; blocks may change BLAS
@@ -51,7 +57,33 @@ class UpcastEmbedding(nn.Embedding):
     compute_dtype: torch.dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(input_ids).to(self.compute_dtype)
+        table, of = getattr(self, "file_table", (None, None))
+        if table is None or of != self.weight.data_ptr():  # no file behind it, or other weights since
+            return super().forward(input_ids).to(self.compute_dtype)
+        rows = F.embedding(input_ids, table, self.padding_idx).to(self.compute_dtype)  # a copy of the rows
+        release_read_only_pages(table.data_ptr(), table.numel() * table.element_size())
+        return rows
+
+
+def read_only_table(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight`'s bytes through a read-only mapping of the file it is mapped from (a safetensors
+    checkpoint loaded lazily); None where it is not in a file, or differs from the file there."""
+    nbytes = weight.numel() * weight.element_size()
+    if weight.device.type != "cpu" or not weight.is_contiguous() or not nbytes:
+        return None
+    place = file_mapping_at(weight.data_ptr(), nbytes)
+    if place is None:
+        return None
+    path, offset, _ = place
+    try:
+        data = np.memmap(path, np.uint8, mode="r", offset=offset, shape=(nbytes,))
+    except (OSError, ValueError):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not writable": it is only read
+        table = torch.frombuffer(data, dtype=weight.dtype).view(weight.shape)
+    same = torch.equal(table[:1], weight[:1]) and torch.equal(table[-1:], weight[-1:])
+    return table if same else None
 
 
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -82,12 +114,17 @@ def compute_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             if buf is not None and upcasts_exactly(buf.dtype, dtype):
                 setattr(module, name, buf.to(dtype))  # rotary tables, routing biases: small
         own = [p for p in own if p.dtype != dtype]
+        if type(module) in (nn.Embedding, UpcastEmbedding):
+            # max_norm renormalises rows in place: such a table is never read through the file
+            table = read_only_table(module.weight.data) if module.max_norm is None else None
+            if own or table is not None:
+                module.__class__, module.compute_dtype = UpcastEmbedding, dtype
+                module.file_table = (table, module.weight.data_ptr())
+            continue
         if not own:
             continue
         if type(module) in (nn.Linear, UpcastLinear):
             module.__class__, module.compute_dtype = UpcastLinear, dtype
-        elif type(module) in (nn.Embedding, UpcastEmbedding):
-            module.__class__, module.compute_dtype = UpcastEmbedding, dtype
         elif sum(p.numel() for p in own) <= SMALL_NUMEL:
             for p in own:
                 p.data = p.data.to(dtype)

@@ -23,6 +23,7 @@ import torch
 
 from eagle31_export.errors import CheckpointError, MissingRuntimeError, UserError
 from eagle31_export.formats.safetensors_io import read_json
+from eagle31_export.process_memory import release_read_only_pages
 
 _NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -44,24 +45,29 @@ class SharedWeights:
         self.folder = folder
         self._files: dict[str, np.memmap] = {}
         self._values: dict[tuple, object] = {}
+        self._views: dict[int, np.ndarray] = {}  # id(OrtValue) -> the mapped view it wraps
 
-    def add_to(self, opts, graph_file: str) -> list:
-        """Register `graph_file`'s external initializers on `opts`; the OrtValues (keep them alive as long
-        as the session)."""
+    def add_to(self, opts, graph_file: str) -> tuple[list, list[np.ndarray]]:
+        """Register `graph_file`'s external initializers on `opts`. Returns the OrtValues (keep them
+        alive as long as the session) and the mapped views of those read by rows (the data of a
+        Gather: embeddings, rope tables), whose pages `release_tables` gives back after each run."""
         import onnx
         import onnxruntime as ort
 
-        held = []
+        held, tables = [], []
         try:
             model = onnx.load(str(self.folder / graph_file), load_external_data=False)
         except Exception:  # missing or damaged: ONNX Runtime's own loading says so, in our one line
-            return held
+            return held, tables
+        gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather" and n.input}
         for tensor in model.graph.initializer:
             value = self._value(ort, tensor)
             if value is not None:
                 opts.add_initializer(tensor.name, value)
                 held.append(value)
-        return held
+                if tensor.name in gathered:
+                    tables.append(self._views[id(value)])
+        return held, tables
 
     def _value(self, ort, tensor):
         where = {e.key: e.value for e in tensor.external_data}
@@ -82,8 +88,16 @@ class SharedWeights:
                 return None  # not what it says: ONNX Runtime's own loading reports it
             view = data[offset:offset + length].view(storage).reshape(tuple(tensor.dims))
             self._values[key] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(view, tensor.data_type)
+            self._views[id(self._values[key])] = view
         return self._values[key]
 
+
+def release_tables(session) -> None:
+    """Give back the pages a run mapped of the session's tables read by rows: a Gather touches a few
+    rows, the kernel maps the pages around each (`process_memory`, "tables read by rows"). The
+    weight files are mapped read-only (`SharedWeights`), so nothing held can be lost."""
+    for table in getattr(session, "tables", ()):
+        release_read_only_pages(table.ctypes.data, table.nbytes)
 
 @dataclass
 class OnnxExport:
@@ -136,10 +150,11 @@ class OnnxExport:
         opts.add_session_config_entry("session.disable_prepacking", "1")
         opts.enable_cpu_mem_arena = False
         try:
-            held = self.weights.add_to(opts, file)
+            held, tables = self.weights.add_to(opts, file)
             session = ort.InferenceSession(str(self.folder / file), opts, providers=["CPUExecutionProvider"],
                                            disabled_optimizers=["ConstantFolding"])
             session.shared_weights = held  # the buffers it computes from live as long as it does
+            session.tables = tables
             return session
         except Exception as err:  # ONNX Runtime's own error types (Fail, InvalidProtobuf, NoSuchFile, ...)
             if not type(err).__module__.startswith("onnxruntime"):
@@ -220,7 +235,10 @@ class _Cache:
 
 def _run(session, feeds: dict) -> dict[str, np.ndarray]:
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, feeds)))
+    try:
+        return dict(zip(names, session.run(names, feeds)))
+    finally:
+        release_tables(session)
 
 
 def _pad(array: np.ndarray, length: int, axis: int, left: bool) -> np.ndarray:
