@@ -40,7 +40,7 @@ def demo(out: Path = typer.Option(Path("out/demo"), "--out", help="Where the dem
 
 
 def _render(console: Console, result) -> None:
-    from eagle31_export.demo.run import DEPTHS
+    from eagle31_export.demo.run import CONTEXT_DEPTH, CONTEXT_PROMPTS, DEPTHS
 
     table = Table(title="inspect")
     for col in ("checkpoint", "kind / format", "EAGLE", "tapped (output of layer)", "quantization", "problems"):
@@ -76,13 +76,15 @@ def _render(console: Console, result) -> None:
                                   DEPTHS, result.agreement))
     if result.context_taus:
         lengths = sorted({n for by_length in result.context_taus.values() for n in by_length})
-        table = Table(title="tau by context length (depth 3, one held-out prompt a length; the pair stretched to "
-                            "32768 positions by yarn, not fine-tuned there: tau_by_context.png)")
+        table = Table(title=f"tau by context length (depth {CONTEXT_DEPTH}, {CONTEXT_PROMPTS} held-out prompts a "
+                            "length)")
         for col in ("drafter", *map(str, lengths)):
             table.add_column(col)
         for label, by_length in result.context_taus.items():
             table.add_row(label, *(f"{by_length[n]:.2f}" for n in lengths))
         console.print(table)
+        console.print(f"tau by context: tokens per target forward over a length's prompts; the target stretched to "
+                      f"32768 positions by yarn; drafters: {result.context_drafters} (tau_by_context.json, .png)")
     console.print(f"artifacts, parity report and plots in {result.out}")
 
 

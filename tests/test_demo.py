@@ -29,8 +29,13 @@ def test_demo_writes_every_artifact_and_a_passing_parity_report(cli, tmp_path):
     for png in ("tau_by_depth.png", "parity/acceptance_by_position.png", "parity/tau_vs_context.png",
                 "tau_by_context.png"):
         assert (out / png).stat().st_size > 5000, png
-    by_context = json.loads((out / "tau_by_context.json").read_text())["tau_by_context"]
+    context = json.loads((out / "tau_by_context.json").read_text())
+    by_context = context["tau_by_context"]
     assert sorted(by_context) == ["EAGLE 3.1", "EAGLE-3"]
+    # the drafters fine-tuned at long context (examples/tiny/models/long), several prompts a length
+    assert context["drafters"].startswith("fine-tuned at long context") and context["depth"] == 3
+    assert all(len(taus) == context["prompts_per_length"] == 3
+               for per_length in context["tau_per_prompt"].values() for taus in per_length.values())
     assert all(sorted(map(int, v)) == [1024, 2048, 4096, 8192] and all(t >= 1 for t in v.values())
                for v in by_context.values())
     assert "tau by context length" in " ".join(stdout.split())

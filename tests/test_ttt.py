@@ -17,3 +17,21 @@ def test_ttt_matches_inference_chain(llama_info, eagle31):
     x = torch.randint(0, 256, (1, t + unroll + 1))
     taps = torch.randn(1, t, cfg.fc_in_features, dtype=torch.float64)
     assert_ttt_matches_inference(drafter, taps, x, unroll)
+
+
+@pytest.mark.parametrize("eagle31", [False, True])
+def test_ttt_at_anchors_is_the_full_chain_at_those_rows(llama_info, eagle31):
+    """Long windows train on some anchors only (examples/tiny/train_long.py): the same numbers."""
+    from eagle31_export.reference.ttt import ttt_forward
+
+    cfg = drafter_config_for(llama_info, fc_norm=eagle31, norm_output=eagle31)
+    drafter = build_drafter(random_drafter(cfg, seed=5, with_embeddings=True), dtype=torch.float64)
+    t, unroll = 12, 3
+    x = torch.randint(0, 256, (2, t + unroll + 1))
+    taps = torch.randn(2, t, cfg.fc_in_features, dtype=torch.float64)
+    anchors = torch.tensor([0, 3, 4, 9, 11])
+    with torch.no_grad():
+        full = ttt_forward(drafter, taps, x, unroll)
+        some = ttt_forward(drafter, taps, x, unroll, anchors)
+    for k in range(unroll):
+        torch.testing.assert_close(some[k], full[k][:, anchors], rtol=1e-12, atol=1e-12)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from eagle31_export.demo.long_pair import POSITIONS, write_long_context_pair
+from eagle31_export.demo.long_pair import POSITIONS, long_trained_drafters, write_long_context_pair
 from eagle31_export.demo.pair import DRAFTERS, TARGET, TARGET_NVFP4, EmbeddedPair
 from eagle31_export.errors import MissingRuntimeError
 from eagle31_export.formats.outputs import atomic_output_dir
@@ -21,12 +21,15 @@ from eagle31_export.parity.acceptance import tau_by_depth, teacher_forced_agreem
 from eagle31_export.parity.compare import ParityReport, run_parity
 from eagle31_export.parity.context import context_prompts
 from eagle31_export.parity.report import write_report
+from eagle31_export.reference.statistics import acceptance_length
 from eagle31_export.runtime.registry import PairSource, load_speculator
 
 DEPTHS = range(1, 7)
 PROMPTS = 8
 NEW_TOKENS = 32
-CONTEXT = (1024, 2048, 4096, 8192)  # tau by context: one held-out prompt a length, depth 3
+CONTEXT = (1024, 2048, 4096, 8192)  # tau by context: CONTEXT_PROMPTS held-out prompts a length
+CONTEXT_PROMPTS = 3
+CONTEXT_DEPTH = 3
 STEPS = 8  # progress units: inspect, exports, parity, vLLM, one per measured (target, drafter), context
 
 
@@ -40,6 +43,7 @@ class DemoResult:
     taus: dict[tuple[str, str], dict[int, float]]
     agreement: dict[tuple[str, str], list[float]]
     context_taus: dict[str, dict[int, float]]  # drafter -> context length -> tau ({}: a pair without text)
+    context_drafters: str = ""  # which drafters tau by context measured (long-trained, or stretched)
 
 
 def run_demo(out: Path, pair_dir: Path, force: bool = True,
@@ -79,29 +83,58 @@ def run_demo(out: Path, pair_dir: Path, force: bool = True,
                                                   for (t, d), v in taus.items()], indent=2) + "\n")
         _plot_taus(taus, tmp / "tau_by_depth.png",
                    f"{pair.name} pair, {'held-out text' if pair.has_text else 'its prompts'}, greedy")
-        context_taus = _tau_by_context(pair, tmp) if pair.has_text else {}
+        context = _tau_by_context(pair, tmp) if pair.has_text else {"tau_by_context": {}, "drafters": ""}
         advance("context", 1)
-    return DemoResult(out, reports, exports, parity, vllm, taus, agreement, context_taus)
+    return DemoResult(out, reports, exports, parity, vllm, taus, agreement, context["tau_by_context"],
+                      context["drafters"])
 
 
-def _tau_by_context(pair: EmbeddedPair, tmp: Path) -> dict[str, dict[int, float]]:
-    """Each drafter's tau at each CONTEXT length, over the pair stretched to long context (yarn); written
-    to tau_by_context.json and drawn. The stretched pair is not fine-tuned there (demo/long_pair.py)."""
+def _tau_by_context(pair: EmbeddedPair, tmp: Path) -> dict:
+    """Each drafter's tau at each CONTEXT length over the pair stretched to long context (yarn), at depth
+    CONTEXT_DEPTH: CONTEXT_PROMPTS held-out prompts a length, tau pooled over them (all their tokens per
+    all their target forwards: accepted drafts plus one bonus token a round, over the rounds). The
+    drafters are those fine-tuned at long context beside the pair (`long/`, examples/tiny/train_long.py)
+    where it has them, else its own, stretched and not fine-tuned (demo/long_pair.py). Written to
+    tau_by_context.json (returned) and drawn."""
     import tempfile
 
+    trained = long_trained_drafters(pair.folder)
     with tempfile.TemporaryDirectory(prefix="eagle31-long-pair-") as work:
-        long = write_long_context_pair(pair.folder, Path(work), "yarn")
-        vocab = json.loads((long / TARGET / "config.json").read_text())["vocab_size"]
-        prompts = context_prompts(long / TARGET, CONTEXT, vocab, POSITIONS, NEW_TOKENS + 4, count=1)
-        taus = {}
-        for label, folder in DRAFTERS.items():
-            speculator = load_speculator("reference", PairSource.of(long / folder, long / TARGET))
-            taus[label] = {len(p): speculator.run(p, NEW_TOKENS, 3).acceptance_length for p in prompts}
-    (tmp / "tau_by_context.json").write_text(json.dumps(
-        {"rope": "yarn, factor 32 over 1024 positions", "depth": 3, "new_tokens": NEW_TOKENS,
-         "tau_by_context": taus}, indent=2) + "\n")
-    _plot_context(taus, tmp / "tau_by_context.png")
-    return taus
+        long = write_long_context_pair(pair.folder, Path(work), "yarn", trained)
+        runs = context_runs(long, CONTEXT, CONTEXT_PROMPTS, CONTEXT_DEPTH)
+    taus = {label: {n: pooled_tau(rs) for n, rs in by_length.items()} for label, by_length in runs.items()}
+    per_prompt = {label: {n: [r.acceptance_length for r in rs] for n, rs in by_length.items()}
+                  for label, by_length in runs.items()}
+    drafters = ("fine-tuned at long context (long/, examples/tiny/train_long.py)" if trained
+                else "the pair's own, stretched, not fine-tuned at long context")
+    record = {"rope": "yarn, factor 32 over 1024 positions", "positions": POSITIONS, "drafters": drafters,
+              "depth": CONTEXT_DEPTH, "new_tokens": NEW_TOKENS, "prompts_per_length": CONTEXT_PROMPTS,
+              "tau": "pooled over a length's prompts: (accepted drafts + rounds) / rounds",
+              "tau_by_context": taus, "tau_per_prompt": per_prompt}
+    (tmp / "tau_by_context.json").write_text(json.dumps(record, indent=2) + "\n")
+    _plot_context(taus, tmp / "tau_by_context.png", "long-trained drafters" if trained else "stretched drafters")
+    return record
+
+
+def context_runs(long: Path, lengths: tuple[int, ...], count: int, depth: int,
+                 new_tokens: int = NEW_TOKENS) -> dict[str, dict[int, list]]:
+    """Over a long-context pair folder (write_long_context_pair): each drafter's greedy speculation
+    (SpecResult) on `count` held-out prompts of each length, at `depth`."""
+    vocab = json.loads((long / TARGET / "config.json").read_text())["vocab_size"]
+    prompts = context_prompts(long / TARGET, lengths, vocab, POSITIONS, new_tokens + depth + 1, count=count)
+    runs = {}
+    for label, folder in DRAFTERS.items():
+        speculator = load_speculator("reference", PairSource.of(long / folder, long / TARGET))
+        results = [speculator.run(p, new_tokens, depth) for p in prompts]
+        runs[label] = {n: [r for p, r in zip(prompts, results) if len(p) == n] for n in lengths}
+    return runs
+
+
+def pooled_tau(results: list) -> float:
+    """Tokens per target forward over several runs: all their accepted drafts plus one bonus token a
+    round, over all their rounds."""
+    return acceptance_length(sum(sum(r.accepted_per_step) for r in results),
+                             sum(len(r.accepted_per_step) for r in results))
 
 
 def _vllm_parity(reference, drafter: Path, target: Path, bundle: Path, prompts) -> ParityReport | str:
@@ -157,7 +190,7 @@ def _exports(drafter: Path, target: Path, tmp: Path) -> dict[str, str]:
     return done
 
 
-def _plot_context(taus: dict[str, dict[int, float]], path: Path) -> None:
+def _plot_context(taus: dict[str, dict[int, float]], path: Path, drafters: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,7 +201,8 @@ def _plot_context(taus: dict[str, dict[int, float]], path: Path) -> None:
         ax.plot(list(by_length), list(by_length.values()), "o-", label=label)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="context (prompt tokens)", ylabel="tau (tokens per target forward)", xticks=list(CONTEXT),
-           xticklabels=[str(n) for n in CONTEXT], title="Acceptance by context (tiny pair, yarn x32, depth 3)")
+           xticklabels=[str(n) for n in CONTEXT],
+           title=f"Acceptance by context (tiny pair, yarn x32, {drafters}, depth {CONTEXT_DEPTH})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -16,35 +16,50 @@ from eagle31_export.reference.drafter import Eagle3Drafter
 from eagle31_export.reference.rope import apply_rope, cos_sin
 
 
-def ttt_forward(drafter: Eagle3Drafter, taps: torch.Tensor, x: torch.Tensor, unroll: int) -> list[torch.Tensor]:
+def ttt_forward(drafter: Eagle3Drafter, taps: torch.Tensor, x: torch.Tensor, unroll: int,
+                anchors: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Training-time test: draft logits [B, T, Vd] for each of `unroll` chained steps.
 
     Step k at chain anchor j sits at position j+k, reads token j+1+k, and attends to the real
     (step-0) keys at positions <= j plus its own chain's keys from steps 1..k: the same keys the
     inference-time cache holds when the chain is drafted from position j.
+
+    `anchors` (sorted positions below T, 1-D): the chains from those anchors only, logits
+    [B, len(anchors), Vd], the same rows the full call returns there. Step-0 keys still cover every
+    position; the queries, the score rows and the later steps are computed at the anchors alone, so
+    long windows train at a cost linear in their length (examples/tiny/train_long.py).
     """
     b, t = taps.shape[0], taps.shape[1]
     layer, cfg = drafter.layers[0], drafter.cfg
     attn = layer.self_attn
+    rows = torch.arange(t) if anchors is None else anchors
+    sparse = anchors is not None
     hidden = drafter.fuse_taps(taps)
     keys, values, out_logits = [], [], []
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    visible = torch.arange(t).unsqueeze(0) <= rows.unsqueeze(1)  # [anchors, T]: step-0 keys at positions <= j
     scale = attn.softmax_scale
     for k in range(unroll):
-        emb = drafter.embed_tokens(x[:, 1 + k:1 + k + t])
+        # step 0 runs at every position (its keys and values serve every anchor); later steps at the anchors
+        at = torch.arange(t) if k == 0 else rows
+        emb = drafter.embed_tokens(x[:, 1 + k + at])
         gn = layer.hidden_norm(hidden)
         residual = gn if cfg.norm_before_residual else hidden
         u = torch.cat([layer.input_layernorm(emb), gn], -1)
-        q, kk, v = _project(attn, u, torch.arange(t).unsqueeze(0) + k)
-        keys.append(kk)
-        values.append(v)
-        s0 = ((q @ keys[0].transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
-        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]
+        q, kk, v = _project(attn, u, at.unsqueeze(0) + k)
+        if k == 0:
+            keys0, values0 = kk, v
+            if sparse:
+                q, residual = q[:, :, rows], residual[:, rows]
+        else:
+            keys.append(kk)
+            values.append(v)
+        s0 = ((q @ keys0.transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
+        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys]
         p = torch.softmax(torch.cat([s0, *diag], -1), -1)
-        out = p[..., :t] @ values[0]
-        for i, vj in enumerate(values[1:]):
+        out = p[..., :t] @ values0
+        for i, vj in enumerate(values):
             out = out + p[..., t + i:t + i + 1] * vj
-        h1 = residual + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        h1 = residual + attn.o_proj(out.transpose(1, 2).reshape(b, rows.numel(), -1))
         h = h1 + layer.mlp(layer.post_attention_layernorm(h1))
         normed = drafter.norm(h)
         out_logits.append(drafter.lm_head(normed))

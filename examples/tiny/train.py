@@ -110,13 +110,25 @@ def train_target(stream, steps, minutes, logfile, seed):
 def ttt_losses(drafter: Eagle3Drafter, target: ReferenceTarget, x: torch.Tensor, unroll: int,
                draft_ids: torch.Tensor) -> list[torch.Tensor]:
     """Soft cross-entropy against the target (restricted to the draft vocabulary), per unrolled step."""
-    with torch.no_grad():
-        logits, taps = tapped_forward(target, x[:, :-1])
-        probs = torch.softmax(logits.float(), -1)[..., draft_ids]
-        probs = probs / probs.sum(-1, keepdim=True)
+    probs, taps = teacher(target, x, draft_ids)
+    return chain_losses(drafter, probs, taps, x, unroll)
+
+
+@torch.no_grad()
+def teacher(target: ReferenceTarget, x: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's next-token distribution restricted to the draft vocabulary, and its tapped states."""
+    logits, taps = tapped_forward(target, x[:, :-1])
+    probs = torch.softmax(logits.float(), -1)[..., draft_ids]
+    return probs / probs.sum(-1, keepdim=True), taps
+
+
+def chain_losses(drafter: Eagle3Drafter, probs: torch.Tensor, taps: torch.Tensor, x: torch.Tensor, unroll: int,
+                 anchors: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per unrolled step, the soft cross-entropy of the chains from every position (or from `anchors`)."""
     t = x.shape[1] - unroll - 1
-    step_logits = ttt_forward(drafter, taps[:, :t], x, unroll)
-    return [-(probs[:, 1 + k:1 + k + t] * F.log_softmax(lg, -1)).sum(-1).mean() for k, lg in enumerate(step_logits)]
+    rows = torch.arange(t) if anchors is None else anchors
+    step_logits = ttt_forward(drafter, taps[:, :t], x, unroll, anchors)
+    return [-(probs[:, 1 + k + rows] * F.log_softmax(lg, -1)).sum(-1).mean() for k, lg in enumerate(step_logits)]
 
 
 def train_drafter(cfg: DrafterConfig, target_model, stream, draft_ids, steps, minutes, unroll, logfile, seed):
