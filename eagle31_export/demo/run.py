@@ -202,7 +202,8 @@ def _plot_context(taus: dict[str, dict[int, float]], path: Path, drafters: str) 
     ax.set_xscale("log", base=2)
     ax.set(xlabel="context (prompt tokens)", ylabel="tau (tokens per target forward)", xticks=list(CONTEXT),
            xticklabels=[str(n) for n in CONTEXT],
-           title=f"Acceptance by context (tiny pair, yarn x32, {drafters}, depth {CONTEXT_DEPTH})")
+           title=f"Acceptance by context (tiny pair, yarn x32)\n{drafters}, depth {CONTEXT_DEPTH}, "
+                 f"{CONTEXT_PROMPTS} prompts a length")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
