@@ -99,6 +99,7 @@ def release_tables(session) -> None:
     for table in getattr(session, "tables", ()):
         release_read_only_pages(table.ctypes.data, table.nbytes)
 
+
 @dataclass
 class OnnxExport:
     """An `export onnx` output folder and its graphs.json."""
