@@ -22,6 +22,10 @@ from eagle31_export.errors import UserError
 AttentionKind = Literal["gqa", "mla"]
 
 
+# speculators' EAGLE 3.1: one RMSNorm over fc's whole input and post-norm feedback (docs/eagle31.md).
+SPECULATORS_31 = "3.1, speculators layout: norm_before_fc + norm_output"
+
+
 class ConfigError(UserError):
     """A configuration that cannot describe a valid drafter or target."""
 
@@ -113,11 +117,17 @@ class DrafterConfig:
     @property
     def eagle_variant(self) -> str:
         """The variant exactly: "3", "3 + post-norm" (norm_output only), "3 + fc_norm" (fc_norm only),
-        "3.1" (both). `eagle_version` calls either flag "3.1" (the runtimes' 3.1 code path)."""
+        "3 + norm_before_fc", "3.1" (fc_norm + norm_output), or speculators' own "3.1" (norm_before_fc +
+        norm_output: what speculators 0.9.0 trains when neither flag is set; docs/eagle31.md#two-eagle-31-layouts).
+        `eagle_version` calls either fc_norm or norm_output "3.1" (the runtimes' 3.1 code path)."""
         if self.fc_norm and self.norm_output:
             return "3.1"
+        if self.norm_before_fc and self.norm_output:
+            return SPECULATORS_31
         if self.norm_output:
             return "3 + post-norm"
+        if self.norm_before_fc:
+            return "3 + norm_before_fc"
         return "3 + fc_norm" if self.fc_norm else "3"
 
     @property

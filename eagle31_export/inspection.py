@@ -11,6 +11,7 @@ import torch
 from eagle31_export.config import ConfigError, long_context_problems, output_to_before_layer, with_max_positions
 from eagle31_export.errors import CheckpointError
 from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, t2d_from_d2t
+from eagle31_export.formats.drafter.engine_taps import missing_taps_problem
 from eagle31_export.formats.outputs import check_enclosing_output
 from eagle31_export.formats.pair import pair_problems
 from eagle31_export.formats.safetensors_io import read_json
@@ -58,6 +59,8 @@ def inspect_drafter(path: Path, target: str | os.PathLike | None) -> dict[str, A
     resolved = with_max_positions(cfg, info if target is not None else None)
     config = resolved.to_dict()
     config["aux_layer_ids"] = list(ids) if ids is not None else None
+    if cfg.aux_layer_ids is None:  # every engine then taps its own default (formats/drafter/engine_taps.py)
+        problems.append(missing_taps_problem(info.num_hidden_layers if target is not None else None))
     report = {
         "kind": "drafter",
         "format": ckpt.format,

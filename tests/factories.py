@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle31_export.config import DrafterConfig, MlaConfig, TargetInfo
+from eagle31_export.config import DrafterConfig, MlaConfig, TargetInfo, default_aux_layer_ids
 from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, expected_shapes, t2d_from_d2t
 
 TARGET_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -48,8 +48,12 @@ def make_target(folder: str | os.PathLike, family: str = "llama", seed: int = 0,
 
 
 def drafter_config_for(target: TargetInfo, fc_norm: bool = False, norm_output: bool = False,
-                       draft_vocab_size: int | None = None, aux_layer_ids: tuple[int, ...] | None = None,
+                       draft_vocab_size: int | None = None, aux_layer_ids: tuple[int, ...] | None | str = "default",
                        num_aux: int = 3, mla: bool = False, **overrides) -> DrafterConfig:
+    """aux_layer_ids "default": the target's EAGLE-3 default, written out as trainers write it (3 taps);
+    None: a config that names no tapped layers."""
+    if aux_layer_ids == "default":
+        aux_layer_ids = default_aux_layer_ids(target.num_hidden_layers) if num_aux == 3 else None
     heads = target.num_attention_heads
     fields = dict(
         hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size, num_attention_heads=heads,

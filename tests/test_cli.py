@@ -26,7 +26,7 @@ def test_inspect_eagle3_without_target(cli, eagle3_dir):
     code, out, _ = cli("inspect", eagle3_dir, "--json")
     report = json.loads(out)
     assert code == 0 and report["format"] == "eagle" and report["eagle_version"] == "3"
-    assert report["config"]["aux_layer_ids"] is None  # the format's default: needs the target to resolve
+    assert report["config"]["aux_layer_ids"] == [1, 3, 4]  # stored before-layer [2, 4, 5], read as outputs of layers
 
 
 def test_inspect_reports_incompatibility_and_exits_1(cli, tmp_path, eagle31_ckpt, llama_target):

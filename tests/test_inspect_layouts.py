@@ -33,34 +33,48 @@ def _edit_config(folder, change):
     ({"norm_output": True}, "3 + post-norm", "3.1"),
     ({"fc_norm": True}, "3 + fc_norm", "3.1"),
     ({"fc_norm": True, "norm_output": True}, "3.1", "3.1"),
+    ({"norm_before_fc": True}, "3 + norm_before_fc", "3"),
+    # what speculators 0.9.0 trains when neither flag is set, and calls 3.1
+    ({"norm_before_fc": True, "norm_output": True}, "3.1, speculators layout: norm_before_fc + norm_output", "3.1"),
 ])
 def test_inspect_names_the_eagle_variant_exactly(cli, tmp_path, llama_info, flags, variant, version):
-    folder = write_drafter(random_drafter(drafter_config_for(llama_info, **flags)), tmp_path / "d", "eagle")
+    layout = "speculators" if flags.get("norm_before_fc") else "eagle"  # the EAGLE layout holds no input_norm
+    folder = write_drafter(random_drafter(drafter_config_for(llama_info, **flags)), tmp_path / "d", layout)
     code, report = _inspect(cli, folder)
     assert code == 0
     assert report["eagle_variant"] == variant
     assert report["eagle_version"] == version  # the runtimes' code path: either flag takes the 3.1 one
-    assert (report["config"]["fc_norm"], report["config"]["norm_output"]) == (
-        flags.get("fc_norm", False), flags.get("norm_output", False))
+    assert (report["config"]["fc_norm"], report["config"]["norm_output"], report["config"]["norm_before_fc"]) == (
+        flags.get("fc_norm", False), flags.get("norm_output", False), flags.get("norm_before_fc", False))
 
 
-def test_defaulted_taps_are_marked_with_and_without_target(cli, eagle3_dir, eagle31_dir, llama_target, llama_info):
-    code, alone = _inspect(cli, eagle3_dir)
-    assert code == 0
+def test_a_drafter_without_taps_is_a_problem_naming_each_engines_choice(cli, tmp_path, llama_target, llama_info):
+    """No eagle_aux_hidden_state_layer_ids: every engine taps its own default, whatever the drafter was trained
+    on; inspect lists it as a problem (exit 1) with each engine's pick in its own numbering, for the target."""
+    bare = write_drafter(random_drafter(drafter_config_for(llama_info, aux_layer_ids=None)), tmp_path / "bare", "eagle")
+    code, alone = _inspect(cli, bare)
+    assert code == 1
     assert alone["config"]["aux_layer_ids"] is None and alone["tapped_layers"]["output_of_layer"] is None
     assert alone["taps"].startswith("default ({1, N//2-1, N-4}") and "--target" in alone["taps"]
+    [problem] = alone["problems"]
+    assert "names no tapped layers" in problem
+    assert "vLLM (2, N//2, N-3) before layer i" in problem and "TensorRT-LLM {1, N//2-1, N-4} outputs of layers" in problem
+    assert "SGLang [2, N//2, N-3] before layer i" in problem
 
-    code, paired = _inspect(cli, eagle3_dir, "--target", llama_target)
-    n = llama_info.num_hidden_layers  # 8: outputs of layers 1, 3, 4
-    assert code == 0 and "taps" not in paired
+    code, paired = _inspect(cli, bare, "--target", llama_target)
+    n = llama_info.num_hidden_layers  # 8: vLLM and SGLang enter layers 2, 4, 5; TensorRT-LLM outputs of 1, 3, 4
+    assert code == 1 and "taps" not in paired
     assert paired["tapped_layers"]["source"] == "default for the target"
     assert paired["tapped_layers"]["output_of_layer"] == [1, n // 2 - 1, n - 4] == [1, 3, 4]
+    [problem] = paired["problems"]
+    assert ("vLLM [2, 4, 5] (before layer i) = outputs of layers [1, 3, 4], TensorRT-LLM [1, 3, 4] (output of layer i), "
+            "SGLang [2, 4, 5] (before layer i) = outputs of layers [1, 3, 4] on this 8-layer target") in problem
 
-    # eagle31_dir is written with no ids either; a drafter that names them reports "config"
+    # a drafter that names them reports "config" and no problem
     named = write_drafter(random_drafter(drafter_config_for(llama_info, aux_layer_ids=(0, 2, 6))),
-                          eagle3_dir.parent / "named-taps", "specforge")
+                          tmp_path / "named-taps", "specforge")
     code, report = _inspect(cli, named, "--target", llama_target)
-    assert code == 0 and report["tapped_layers"]["source"] == "config"
+    assert code == 0 and report["tapped_layers"]["source"] == "config" and report["problems"] == []
     assert report["tapped_layers"]["output_of_layer"] == [0, 2, 6] and "taps" not in report
 
 

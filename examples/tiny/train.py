@@ -23,7 +23,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import read, split  # noqa: E402
 
-from eagle31_export.config import DrafterConfig  # noqa: E402
+from eagle31_export.config import DrafterConfig, default_aux_layer_ids  # noqa: E402
 from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, write_drafter  # noqa: E402
 from eagle31_export.reference.drafter import Eagle3Drafter  # noqa: E402
 from eagle31_export.reference.target import ReferenceTarget, tapped_forward  # noqa: E402
@@ -165,7 +165,8 @@ def drafter_config(eagle31: bool) -> DrafterConfig:
     return DrafterConfig(hidden_size=TARGET["hidden_size"], intermediate_size=512, num_attention_heads=6,
                          num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB,
                          rms_norm_eps=1e-5, max_position_embeddings=1024, fc_norm=eagle31, norm_output=eagle31,
-                         torch_dtype="bfloat16")
+                         # written out: a drafter naming no taps is served with each engine's own default
+                         aux_layer_ids=default_aux_layer_ids(TARGET["num_hidden_layers"]), torch_dtype="bfloat16")
 
 
 def save_drafter(drafter: Eagle3Drafter, out: Path, fmt: str) -> None:
