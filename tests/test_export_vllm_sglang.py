@@ -2,9 +2,11 @@
 and the proof that every format's tapped ids name the same target tensors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 
 from eagle31_export.errors import CheckpointError
@@ -12,7 +14,7 @@ from eagle31_export.export.sglang import export_sglang
 from eagle31_export.export.trtllm import export_trtllm
 from eagle31_export.export.vllm import export_vllm
 from factories import drafter_config_for, random_drafter
-from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
+from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, write_drafter
 from eagle31_export.reference.target import ReferenceTarget
 
 
@@ -197,3 +199,46 @@ def test_bad_input_one_line_and_nothing_written(cli, tmp_path, kind, eagle31_dir
     code, _, err = cli(*base, "--out", tmp_path / "b")
     assert code == 2 and "already exists" in err
     assert [p.name for p in tmp_path.iterdir()] == ["b"]  # no temporary folders left behind
+
+
+KIMI = Path(__file__).resolve().parents[1] / "examples" / "kimi" / "models"
+
+
+def test_every_export_writes_the_taps_of_a_drafter_that_names_none(tmp_path, llama_info, llama_target):
+    """A drafter without eagle_aux_hidden_state_layer_ids (inspect: a problem) is exported with the taps
+    resolved for its target, stated in each engine's own numbering: nothing is left to an engine's default."""
+    bare = write_drafter(random_drafter(drafter_config_for(llama_info, aux_layer_ids=None)), tmp_path / "bare", "eagle")
+    assert "eagle_aux_hidden_state_layer_ids" not in json.loads((bare / "config.json").read_text())
+    vllm = json.loads((export_vllm(bare, llama_target, tmp_path / "v") / "drafter" / "config.json").read_text())
+    assert vllm["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and "eagle_config" not in vllm  # before layer i
+    sglang = json.loads((export_sglang(bare, llama_target, tmp_path / "s") / "drafter" / "config.json").read_text())
+    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # outputs; SGLang adds one
+    trtllm = export_trtllm(bare, llama_target, tmp_path / "t")
+    assert json.loads((trtllm / "drafter" / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # outputs of layers, TensorRT-LLM's own
+    yaml_options = yaml.safe_load((trtllm / "llm_api.yaml").read_text())
+    assert yaml_options["speculative_config"]["eagle3_layers_to_capture"] == [1, 3, 4]
+
+
+@pytest.mark.parametrize("taps, written", [((1, 3, 4), [1, 3, 4]), ((2, 3, 5), [3, 4, 6])],
+                         ids=["first-tap-1", "first-tap-2"])
+def test_sglang_on_a_deepseek_target_writes_what_its_first_id_guess_reads_right(tmp_path, taps, written):
+    """SGLang's DeepSeek-V2/V3 model (Kimi K2's) reads a list starting at 1 as outputs of layers and any other
+    as before-layer ids (sglang 0.5.23, models/deepseek_v2.py): ids not starting at 1 are written before-layer."""
+    ckpt = read_drafter(KIMI / "drafter-eagle31")
+    src = write_drafter(DrafterCheckpoint(ckpt.config.replace(aux_layer_ids=taps), ckpt.tensors), tmp_path / "d",
+                        "modelopt")
+    out = export_sglang(src, KIMI / "target", tmp_path / "s")
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == written
+    captured = [i + 1 for i in written] if written[0] == 1 else written  # what SGLang then captures (before layer)
+    assert captured == [i + 1 for i in taps]
+
+
+def test_sglang_refuses_layer_0_on_a_deepseek_target(cli, tmp_path):
+    ckpt = read_drafter(KIMI / "drafter-eagle31")
+    src = write_drafter(DrafterCheckpoint(ckpt.config.replace(aux_layer_ids=(0, 3, 4)), ckpt.tensors), tmp_path / "d",
+                        "modelopt")
+    code, _, err = cli("export", "sglang", "--drafter", src, "--target", KIMI / "target", "--out", tmp_path / "s")
+    assert code == 2 and "output of layer 0" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "s").exists()

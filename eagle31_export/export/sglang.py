@@ -1,8 +1,9 @@
 """SGLang bundle: the drafter in the SpecForge layout and the exact `sglang.launch_server` flags.
 
 SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` in OUTPUT-of-layer numbering and
-adds one internally (it captures before layer i+1); `fc_norm` (alias `use_aux_norm`) and
-`norm_output` at the top level. Chain drafting: topk 1, num_steps K, num_draft_tokens K+1.
+adds one internally (it captures before layer i+1), except on DeepSeek-family targets, which guess
+the numbering from the first id (`formats.drafter.engine_taps.sglang_ids` writes what they read
+right); `fc_norm` (alias `use_aux_norm`) and `norm_output` at the top level. Chain drafting: topk 1, num_steps K, num_draft_tokens K+1.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from eagle31_export.export.capabilities import (
     required_features,
     target_quant_format,
 )
+from eagle31_export.formats.drafter.engine_taps import sglang_ids
 from eagle31_export.formats.drafter.formats import consumer_layout
 from eagle31_export.formats.outputs import atomic_output_dir
 from eagle31_export.formats.safetensors_io import write_json
@@ -56,6 +58,10 @@ def export_sglang(drafter: str | os.PathLike, target: str | os.PathLike, out: st
     checked = check_runtime("sglang", features, runtime_version)  # docs/runtime-capabilities.md
     out = Path(out).resolve()
     fmt, patch = consumer_layout("sglang", cfg)
+    # SGLang's own numbering for this target (a DeepSeek-family model guesses it from the first id)
+    ids = sglang_ids(pair.aux_layer_ids, pair.target_info.model_type)
+    if ids != pair.aux_layer_ids:
+        patch = {**(patch or {}), "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids)}}
     # Paths relative to the bundle (the README's command runs from the bundle folder); only a
     # target referenced by path (an input) is absolute.
     target_path = "target" if copy else str(pair.target)
@@ -76,7 +82,9 @@ python -m sglang.launch_server {shlex.join(args)}
 ```
 
 - drafter: `drafter` in the {fmt} layout
-- tapped target layers (output of layer, `eagle_config.eagle_aux_hidden_state_layer_ids`): {list(pair.aux_layer_ids)}
+- tapped target layers: outputs of layers {list(pair.aux_layer_ids)}; `eagle_config.eagle_aux_hidden_state_layer_ids`
+  holds {list(ids)}, {"read by SGLang as outputs of layers (it adds one)" if ids == pair.aux_layer_ids else
+  "before-layer ids: SGLang's " + pair.target_info.model_type + " model reads a list not starting at 1 that way"}
 - chain drafting: {num_steps} steps, top-k 1, {num_steps + 1} draft tokens per verification
 {readme_section("sglang", features, checked)}""")
     return out
