@@ -19,6 +19,7 @@ INFO = TargetInfo(model_type="llama", hidden_size=64, num_hidden_layers=8, vocab
 # feature -> (drafter config overrides, target quantization format)
 USES = {
     caps.FC_NORM: (dict(fc_norm=True), None),
+    caps.NORM_BEFORE_FC: (dict(norm_before_fc=True), None),
     caps.NORM_OUTPUT: (dict(norm_output=True), None),
     caps.TAPS_GT_3: (dict(aux_layer_ids=(1, 2, 3, 4)), None),
     caps.MLA: (dict(mla=True), None),
@@ -38,6 +39,8 @@ CELLS = [
     ("vllm", caps.FC_NORM, "0.21.0", "0.22.0", "0.22.0"),
     ("vllm", caps.NORM_OUTPUT, "0.21.0", "0.22.0", "0.22.0"),
     ("vllm", caps.TAPS_GT_3, "0.21.0", "0.22.0", "0.22.0"),
+    # llama_eagle3.py reads norm_before_fc from 0.18.0 (0.17.1 does not); algos.py copies it from 0.19.0
+    ("vllm", caps.NORM_BEFORE_FC, "0.17.1", "0.18.0", "0.18.0"),
     # 0.18.0 has deepseek_eagle3.py, but only 0.32.0 was checked to accept the bundle's MLA config
     # (model_type kimi_k2; deepseek_v3 goes down vllm/config/speculative.py's MTP path)
     ("vllm", caps.MLA, "0.31.0", "0.32.0", "0.32.0 verified"),
@@ -47,6 +50,7 @@ CELLS = [
     ("vllm", caps.NVFP4_COMPRESSED_TENSORS, "0.13.0", "0.14.0", "0.14.0"),
     ("vllm-speculators", caps.FC_NORM, "0.24.0", "0.25.0", "0.25.0"),
     ("vllm-speculators", caps.NORM_OUTPUT, "0.24.0", "0.25.0", "0.25.0"),
+    ("vllm-speculators", caps.NORM_BEFORE_FC, "0.18.1", "0.19.0", "0.19.0"),
     # vLLM 0.32.0's algos.py copies no top-level num_aux_hidden_states; read from transformer_layer_config there
     ("vllm-speculators", caps.TAPS_GT_3, "0.31.0", "0.32.0", "0.32.0 verified"),
     ("vllm-speculators", caps.MLA, "0.25.0", None, "no release"),
@@ -212,3 +216,12 @@ def test_tensorrt_thresholds(feature, too_old, new_enough):
     problems = caps.tensorrt_problems(too_old, {feature})
     assert list(problems) == [feature] and too_old in problems[feature]
     assert caps.tensorrt_problems(new_enough, {feature}) == {}
+
+
+def test_vllm_0_33_0_reads_every_flag_a_release_reads():
+    """vLLM 0.33.0's wheel (llama_eagle3.py, speculators/algos.py) still reads norm_before_fc, fc_norm,
+    norm_output and the tap count (docs/runtime-capabilities.md): no row refuses it."""
+    for runtime in ("vllm", "vllm-speculators"):
+        readable = {c.feature for c in caps.CAPABILITIES if c.runtime == runtime and not c.unsupported}
+        assert caps.NORM_BEFORE_FC in readable
+        assert caps.version_problems(runtime, "0.33.0", readable) == [], runtime

@@ -99,3 +99,21 @@ def test_an_mla_drafter_in_the_speculators_layout_is_refused_without_a_version(c
     code, _, err = cli("export", "vllm", "--drafter", drafters["mla"], "--target", llama_target,
                        "--out", tmp_path / "a", "--layout", "speculators")
     assert code == 2 and "MLA" in err
+
+
+def test_speculators_31_is_refused_by_a_vllm_that_drops_norm_before_fc(cli, tmp_path, llama_target, llama_info):
+    """speculators' own EAGLE 3.1 (norm_before_fc + norm_output) goes to vLLM in the speculators layout:
+    vLLM 0.18.1's algos.py does not copy norm_before_fc (0.19.0 does), 0.24.0's not norm_output (0.25.0 does)."""
+    cfg = drafter_config_for(llama_info, norm_before_fc=True, norm_output=True)
+    src = write_drafter(random_drafter(cfg, seed=7), tmp_path / "src", "speculators")
+    args = ["export", "vllm", "--drafter", src, "--target", llama_target]
+    code, _, err = cli(*args, "--out", tmp_path / "a", "--runtime-version", "0.18.1")
+    assert code == 2 and "norm_before_fc" in err and "0.19.0" in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli(*args, "--out", tmp_path / "b", "--runtime-version", "0.24.0")
+    assert code == 2 and "post-norm feedback" in err and "0.25.0" in err
+    code, _, err = cli(*args, "--out", tmp_path / "c", "--runtime-version", "0.33.0")
+    assert code == 0, err
+    drafter = json.loads((tmp_path / "c" / "drafter" / "config.json").read_text())
+    assert (drafter["norm_before_fc"], drafter["norm_output"], drafter["fc_norm"]) == (True, True, False)
+    record = json.loads((tmp_path / "c" / "bundle.json").read_text())["runtime_requirements"]
+    assert record["checked_version"] == "0.33.0" and "norm_before_fc" in record["features"]

@@ -36,6 +36,7 @@ from eagle31_export.errors import UserError
 # ---- features -----------------------------------------------------------------------------
 
 FC_NORM = "fc_norm"
+NORM_BEFORE_FC = "norm_before_fc"
 NORM_OUTPUT = "norm_output"
 TAPS_GT_3 = "taps_gt_3"
 MLA = "mla"
@@ -45,6 +46,7 @@ NVFP4_COMPRESSED_TENSORS = "nvfp4_compressed_tensors"
 
 FEATURES: dict[str, str] = {
     FC_NORM: "fc_norm (one RMSNorm per tapped layer before fc)",
+    NORM_BEFORE_FC: "norm_before_fc (one RMSNorm over fc's whole input: speculators' EAGLE 3.1)",
     NORM_OUTPUT: "post-norm feedback (norm_output)",
     TAPS_GT_3: "more than 3 tapped layers",
     MLA: "an MLA (DeepSeek-style attention) drafter",
@@ -175,6 +177,8 @@ CAPABILITIES: tuple[Capability, ...] = (
                key="fc_norm", change="vllm-project/vllm PR #42764"),
     Capability("vllm", NORM_OUTPUT, _VLLM, _WHEELS.format(without="0.21.0", first="0.22.0"), first="0.22.0",
                key="norm_output", change="vllm-project/vllm PR #42764"),
+    Capability("vllm", NORM_BEFORE_FC, _VLLM, _WHEELS.format(without="0.17.1", first="0.18.0"), first="0.18.0",
+               key="norm_before_fc", change="vllm-project/vllm PR #38111"),
     Capability("vllm", TAPS_GT_3, _VLLM, _WHEELS.format(without="0.21.0 (fc input 3 x hidden)", first="0.22.0"),
                first="0.22.0", key="num_aux_hidden_states", change="vllm-project/vllm PR #42764"),
     Capability("vllm", MLA, _VLLM_DS + "; vllm/config/speculative.py", _VLLM_MLA_HOW, verified_in="0.32.0",
@@ -190,6 +194,8 @@ CAPABILITIES: tuple[Capability, ...] = (
                first="0.25.0", key="fc_norm", change="vllm-project/vllm PR #46488"),
     Capability("vllm-speculators", NORM_OUTPUT, _VLLM_ALGOS, _WHEELS.format(without="0.24.0", first="0.25.0"),
                first="0.25.0", key="norm_output", change="vllm-project/vllm PR #46488"),
+    Capability("vllm-speculators", NORM_BEFORE_FC, _VLLM_ALGOS, _WHEELS.format(without="0.18.1", first="0.19.0"),
+               first="0.19.0", key="norm_before_fc"),
     Capability("vllm-speculators", TAPS_GT_3, _VLLM_ALGOS + "; " + _VLLM, _VLLM_SPEC_TAPS_HOW,
                verified_in="0.32.0", key="transformer_layer_config.num_aux_hidden_states"),
     Capability("vllm-speculators", MLA, _VLLM_ALGOS, "0.22.0 forces architectures Eagle3LlamaForCausalLM; "
@@ -269,6 +275,8 @@ def required_features(cfg: DrafterConfig, target_quant_format: str | None) -> se
     needed = set()
     if cfg.fc_norm:
         needed.add(FC_NORM)
+    if cfg.norm_before_fc:
+        needed.add(NORM_BEFORE_FC)
     if cfg.norm_output:
         needed.add(NORM_OUTPUT)
     if cfg.num_aux_hidden_states > 3:
