@@ -18,7 +18,8 @@ def register(app: typer.Typer) -> None:
 
 
 def inspect(
-    path: Path = typer.Argument(..., help="A drafter or target checkpoint folder."),
+    path: Path = typer.Argument(..., help="A drafter or target checkpoint folder, or TensorRT-LLM LLM-API options "
+                                "(a YAML file, or a folder holding llm_api.yaml)."),
     target: Optional[Path] = typer.Option(None, "--target", help="Check the drafter against this target."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -40,7 +41,7 @@ def _render(report: dict) -> None:
     origin = report.get("origin", "")
     layout = f"{origin} ({report['format']} layout)" if origin and origin != report.get("format") else origin
     title = f"{report['kind']}: {layout} EAGLE {report.get('eagle_variant', '')}".strip()
-    table = Table(title=title if report["kind"] == "drafter" else "target", show_header=False)
+    table = Table(title=title if report["kind"] == "drafter" else report["kind"], show_header=False)
     for key, value in report["config"].items():
         table.add_row(key, str(value))
     if "tapped_layers" in report:

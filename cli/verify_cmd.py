@@ -21,15 +21,19 @@ def verify(
 ) -> None:
     """Check every file against manifest.json (sha256) and each referenced target (size, header)."""
     from eagle31_export.formats.outputs import read_manifest, verify_output
+    from eagle31_export.formats.trtllm_options import yaml_switch_warnings
 
     manifest = read_manifest(folder)
     differences = verify_output(folder)
+    warnings = yaml_switch_warnings(folder)  # what would turn speculation off, changed or not
     files = len(manifest["files"])
     references = {role: ref["path"] for role, ref in (manifest.get("references") or {}).items()}
     if as_json:
         print_json({"folder": str(folder), "ok": not differences, "files": files, "references": references,
-                    "differences": [asdict(d) for d in differences]})
+                    "differences": [asdict(d) for d in differences], "warnings": warnings})
     else:
+        for warning in warnings:
+            typer.echo(f"warning: {warning}", err=True)
         for difference in differences:
             typer.echo(str(difference))
         checked = f"{files} files" + (f" and {len(references)} referenced folder(s)" if references else "")

@@ -16,6 +16,7 @@ from eagle31_export.formats.outputs import check_enclosing_output
 from eagle31_export.formats.pair import pair_problems
 from eagle31_export.formats.safetensors_io import read_json
 from eagle31_export.formats.target.checkpoint import inspect_target, read_target_info
+from eagle31_export.formats.trtllm_options import read_options, speculation_switch_warnings
 
 
 def is_drafter(path: Path) -> bool:
@@ -26,14 +27,30 @@ def is_drafter(path: Path) -> bool:
 
 def inspect_path(path: str | os.PathLike, target: str | os.PathLike | None = None) -> dict[str, Any]:
     path = Path(path)
+    if (path.is_file() and path.suffix in (".yaml", ".yml")) or (path / LLM_API_FILE).is_file():
+        if target is not None:
+            raise CheckpointError(f"{path} is TensorRT-LLM options; --target only applies to drafters")
+        return inspect_llm_api(path / LLM_API_FILE if path.is_dir() else path)
     check_enclosing_output(path)  # before config.json is read to tell a drafter from a target
     if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path}: no config.json; pass a drafter or target checkpoint folder")
+        raise CheckpointError(f"{path}: no config.json; pass a drafter or target checkpoint folder, or TensorRT-LLM's "
+                              "LLM-API YAML")
     if not is_drafter(path):
         if target is not None:
             raise CheckpointError(f"{path} is a target checkpoint; --target only applies to drafters")
         return inspect_target(path)
     return inspect_drafter(path, target)
+
+
+LLM_API_FILE = "llm_api.yaml"  # what `export trtllm` writes beside the drafter
+
+
+def inspect_llm_api(path: Path) -> dict[str, Any]:
+    """TensorRT-LLM LLM-API options: their speculative_config, and the switches that turn speculation off."""
+    options = read_options(path)
+    spec = options.get("speculative_config")
+    return {"kind": "trtllm-options", "config": spec if isinstance(spec, dict) else {}, "problems": [],
+            "warnings": speculation_switch_warnings(options, path.name)}
 
 
 def inspect_drafter(path: Path, target: str | os.PathLike | None) -> dict[str, Any]:

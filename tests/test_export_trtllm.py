@@ -209,3 +209,62 @@ def test_norm_before_residual_is_refused(cli, tmp_path, llama_info, llama_target
     code, _, err = cli("export", "trtllm", "--drafter", src, "--target", llama_target, "--out", tmp_path / "b")
     assert code == 2 and "norm_before_residual" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "b").exists() and no_leftovers(tmp_path)
+
+
+# Eagle3DecodingConfig fields our YAML may use, as read in TensorRT-LLM's llm_args.py (docs/runtimes.md,
+# "LLM-API keys checked"): decoding_type "Eagle3" (not the deprecated "Eagle"), the draft model and depth,
+# the one-model mode (default true) and the capture set (outputs of layers).
+EAGLE3_KEYS_WRITTEN = {"decoding_type", "max_draft_len", "speculative_model", "eagle3_one_model",
+                       "eagle3_layers_to_capture"}
+
+
+def test_export_never_writes_a_switch_that_turns_speculation_off(cli, bundle):
+    from eagle31_export.formats.trtllm_options import SWITCH_KEYS
+
+    spec = yaml.safe_load((bundle / "llm_api.yaml").read_text())["speculative_config"]
+    assert set(spec) == EAGLE3_KEYS_WRITTEN and spec["decoding_type"] == "Eagle3"
+    assert not set(spec) & set(SWITCH_KEYS)
+    code, out, err = cli("inspect", bundle, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["kind"] == "trtllm-options" and report["warnings"] == [], (out, err)
+    code, _, err = cli("verify", bundle)
+    assert code == 0 and "warning" not in err
+
+
+def test_inspect_and_verify_warn_where_a_yaml_can_turn_speculation_off(cli, tmp_path, bundle):
+    """TensorRT-LLM's acceptance_window + acceptance_length_threshold (1.2's spelling) disable speculation for
+    good once the rolling acceptance falls below the threshold: a warning (the server still serves), in
+    inspect and in verify (where the edited file is also a difference from the manifest)."""
+    import shutil
+
+    edited = tmp_path / "bundle"
+    shutil.copytree(bundle, edited, symlinks=True)
+    options = yaml.safe_load((edited / "llm_api.yaml").read_text())
+    options["speculative_config"].update(acceptance_window=8, acceptance_length_threshold=1.5)
+    (edited / "llm_api.yaml").write_text(yaml.safe_dump(options))
+    code, out, _ = cli("inspect", edited, "--json")
+    [warning] = json.loads(out)["warnings"]
+    assert code == 0 and "acceptance_window 8 and acceptance_length_threshold 1.5" in warning
+    assert "turns speculation off for good" in warning
+    code, _, err = cli("verify", edited)
+    assert code == 1 and "llm_api.yaml" in err
+    assert any(line.startswith("warning: llm_api.yaml: ") and "off for good" in line for line in err.splitlines()), err
+
+    # the later spelling (acceptance rate over iterations), a batch-size cut, and a YAML file given alone
+    later = tmp_path / "later.yaml"
+    later.write_text(yaml.safe_dump({"speculative_config": {
+        "decoding_type": "Eagle3", "acceptance_rate_window_size": 16, "acceptance_rate_threshold": 0.3,
+        "max_concurrency": 4}}))
+    code, out, _ = cli("inspect", later, "--json")
+    warnings = json.loads(out)["warnings"]
+    assert code == 0 and len(warnings) == 2
+    assert "acceptance_rate_window_size 16 and acceptance_rate_threshold 0.3" in warnings[0]
+    assert "batch sizes above it" in warnings[1]
+    lone = tmp_path / "lone.yaml"
+    lone.write_text(yaml.safe_dump({"speculative_config": {"acceptance_length_threshold": 1.2}}))
+    [warning] = json.loads(cli("inspect", lone, "--json")[1])["warnings"]
+    assert "no effect alone" in warning
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    code, _, err = cli("inspect", bad)
+    assert code == 2 and "expected TensorRT-LLM's LLM-API options" in err and len(err.strip().splitlines()) == 1
