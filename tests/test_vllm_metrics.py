@@ -152,3 +152,62 @@ def test_sparse_samples_are_held_against_the_engine_counters():
     assert (serial.sampled_largest, serial.counted_largest, serial.largest) == (1, 1, 1)
     unknown = batch_figures(_sampler([(3, 4, 4)], 4), 4, {"rounds": 96, "engine_steps": None})
     assert (unknown.counted_largest, unknown.largest) == (None, 3) and "counters" not in unknown.source
+
+
+def test_counters_read_the_same_with_or_without_total():
+    """vLLM exports its counters as NAME_total on /metrics (prometheus_client's text format) and as NAME in
+    LLM.get_metrics() (vllm/v1/metrics/reader.py, 0.33.0); a page written either way reads the same, typed or
+    not."""
+    import re
+
+    bare = re.sub(r"^(vllm:[a-z_:]+?)_total(\{)", r"\1\2", PAGE, flags=re.M)
+    assert bare != PAGE and "spec_decode_num_drafts_total" not in bare
+    untyped = "\n".join(line for line in PAGE.splitlines() if not line.startswith("#")) + "\n"
+    for page in (bare, untyped):
+        assert parse_spec_counters(page) == parse_spec_counters(PAGE)
+        mine, want = parse_engine_metrics(page), parse_engine_metrics(PAGE)
+        assert (mine.prefix_cache_hits, mine.prefix_cache_queries, mine.generated, mine.running) == (
+            want.prefix_cache_hits, want.prefix_cache_queries, want.generated, want.running)
+
+
+# What vLLM 0.33.0 registers (read in the vllm-0.33.0 wheel, sha256 4b6bdec4...: vllm/v1/spec_decode/metrics.py
+# SpecDecodingProm, vllm/v1/metrics/loggers.py PrometheusStatLogger), by kind; counters get `_total` on /metrics.
+VLLM_033_METRICS = {
+    "vllm:spec_decode_num_drafts": "counter", "vllm:spec_decode_num_draft_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens": "counter", "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+    "vllm:generation_tokens": "counter", "vllm:iteration_tokens_total": "histogram", "vllm:cache_config_info": "gauge",
+}
+# SpeculativeConfig's fields in vLLM 0.33.0 (vllm/config/speculative.py; @config forbids any other key) that
+# our bundles' --speculative-config uses.
+VLLM_033_SPECULATIVE_FIELDS = {"method", "model", "num_speculative_tokens", "draft_sample_method",
+                               "rejection_sample_method"}
+
+
+def test_what_the_client_reads_is_what_vllm_0_33_registers():
+    from eagle31_export.runtime import vllm_client as client
+
+    read = {client.RUNNING, client.WAITING, client.CACHE_HITS, client.CACHE_QUERIES, client.STEPS, client.GENERATED,
+            client.CACHE_INFO} | {client.SPEC_PREFIX + short for short in client._SPEC_FIELDS} | {
+            client.SPEC_PREFIX + "num_accepted_tokens_per_pos"}
+    assert read == set(VLLM_033_METRICS)
+    # the hand-written page above has each of them, as 0.33 writes it (counters with _total)
+    for name, kind in VLLM_033_METRICS.items():
+        assert (f"# TYPE {name} {kind}" in PAGE) or (kind == "gauge" and f"\n{name}{{" in PAGE), name
+
+
+def test_bundles_speculative_config_uses_vllm_0_33_keys(tmp_path, eagle31_dir, llama_target):
+    import json
+
+    from eagle31_export.export.vllm import export_vllm
+    from eagle31_export.runtime.registry import LoadOptions
+    from eagle31_export.runtime.vllm_runtime import engine_args
+
+    bundle = export_vllm(eagle31_dir, llama_target, tmp_path / "b")
+    spec = json.loads((bundle / "speculative_config.json").read_text())
+    assert set(spec) <= VLLM_033_SPECULATIVE_FIELDS and spec["method"] == "eagle3"
+    args = engine_args({**json.loads((bundle / "bundle.json").read_text()), "drafter": str(bundle / "drafter")},
+                       LoadOptions(depth=3))
+    served = json.loads(args[args.index("--speculative-config") + 1])
+    assert set(served) <= VLLM_033_SPECULATIVE_FIELDS
