@@ -50,8 +50,10 @@ def parity(
                                                 "accepted with min(1, p/q); our runtimes' default) or greedy-drafts "
                                                 "(vLLM's: argmax drafts accepted with p_target, checked exactly and "
                                                 "statistically along the runtime's output); vllm: greedy-drafts."),
-    act_quant: bool = typer.Option(False, "--act-quant/--no-act-quant",
-                                   help="NVFP4 targets: emulate W4A4 (inputs NVFP4-quantized too) on both sides."),
+    act_quant: Optional[bool] = typer.Option(None, "--act-quant/--no-act-quant",
+                                             help="NVFP4 targets: emulate W4A4 (inputs NVFP4-quantized too) on both "
+                                             "sides, or not; by default as the runtime computes where it tells "
+                                             "(vllm: the target's quantization config), else not."),
     mode: Optional[str] = typer.Option(None, "--mode", help="replay (greedy default: one reference target forward "
                                                             "per prompt) or autoregressive (sampling's mode)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write report.json, report.md and plots here."),

@@ -1,12 +1,14 @@
 """NVFP4 targets in a real engine: vLLM's CPU build loads the targets `quantize` and `convert` write
 with its own loaders (`modelopt_fp4`, compressed-tensors' W4A4 NVFP4 scheme) and computes them with
 its own emulation kernel, which our vLLM plugin (plugins/vllm, installed by `make setup-vllm`) lists
-for the CPU platform. Parity compares it with the W4A4 reference (`--act-quant`) reading scales as
-vLLM does (docs/nvfp4-engines.md).
+for the CPU platform. Parity compares it with the W4A4 reference reading scales as vLLM does
+(docs/nvfp4-engines.md), without being told: the engine quantizes activations where the target's
+quantization config gives input scales, and the reference follows (runtime/vllm_runtime.py:
+served_activations).
 
 - fp32 (compressed-tensors targets; vLLM's `modelopt_fp4` takes bf16/fp16 only): exact.
-- bf16 (ModelOpt targets): every difference a numerical tie of the reference (parity/ties.py),
-  none beyond the half-precision tolerance for FP4 activations.
+- bf16 (ModelOpt targets): every difference a numerical tie the measured bf16 + FP4-activation error
+  explains (parity/numerics.py), and no more of them than it explains.
 - One-sided sabotages, patched in the test process only (the reference side; the engine reads the
   file with its own code): parity must fail with the target-side symptom.
 
@@ -34,7 +36,11 @@ from eagle31_export.reference import target as reference_target
 from eagle31_export.runtime.registry import LoadOptions
 from eagle31_export.runtime.vllm_engine import LocalServer, find_vllm
 from eagle31_export.runtime.vllm_runtime import engine_args
-from test_vllm_engine import DRAFTER31, TARGET, TINY, assert_not_vacuous, parity, vllm  # noqa: F401  (vllm: fixture)
+from eagle31_export.errors import UserError
+from eagle31_export.parity.report import markdown
+from test_vllm_engine import (  # noqa: F401  (vllm: a fixture)
+    DRAFTER31, TARGET, TINY, assert_faithful_half_precision_pass, assert_not_vacuous, parity, vllm,
+)
 from sabotage import reciprocal_global_scales, transpose_block_scales  # noqa: E402  (tests/parity, on the path)
 
 TARGET_SYMPTOM = "the target's own"
@@ -56,8 +62,8 @@ def targets(tmp_path_factory) -> dict:
 
 
 def nvfp4_parity(vllm, target, dtype=None):
-    return parity(vllm, None, DRAFTER31, target=target, act_quant=True,
-                  runtime_options={"dtype": dtype} if dtype else {})
+    """No --act-quant: the reference learns from the engine that it quantizes activations."""
+    return parity(vllm, None, DRAFTER31, target=target, runtime_options={"dtype": dtype} if dtype else {})
 
 
 @pytest.mark.parametrize("name, served", [("modelopt-to-ct", "local"), ("quantized-ct", "url")])
@@ -68,8 +74,10 @@ def test_compressed_tensors_targets_are_exact_in_fp32(vllm, tmp_path, targets, n
     else:
         record = read_bundle(export_vllm(DRAFTER31, targets[name], tmp_path / "bundle"))
         with LocalServer(find_vllm(vllm), engine_args(record, LoadOptions(depth=3)), tmp_path) as server:
-            report = parity(vllm, None, DRAFTER31, target=targets[name], act_quant=True, url=server.url)
+            report = parity(vllm, None, DRAFTER31, target=targets[name], url=server.url)
     assert report.passed, report.failures
+    assert report.activations["fp4"] and report.thresholds.fp4_activations
+    assert report.activations["basis"] == ("set" if served == "local" else "config"), report.activations
     assert report.exact and report.ties_judged and report.tie_count == 0
     assert all(r.tokens_identical and r.accepted_identical for r in report.rows)
     assert report.tau("runtime") == report.tau("reference")
@@ -78,14 +86,23 @@ def test_compressed_tensors_targets_are_exact_in_fp32(vllm, tmp_path, targets, n
 
 @pytest.mark.parametrize("name", ["modelopt", "quantized-modelopt"])
 def test_modelopt_targets_differ_by_numerical_ties_only_in_bf16(vllm, targets, name):
+    """The documented command, no activation flag: vLLM's CPU build feeds FP4 activations to every NVFP4
+    Linear, the reference computes the same, and the report says how it learned it."""
     report = nvfp4_parity(vllm, targets[name], torch.bfloat16)
-    assert report.passed, report.failures
-    assert not report.exact and report.ties_judged
-    assert report.thresholds.fp4_activations and report.thresholds.tie_gap(False) == 1.0
-    assert all(not r.untied for r in report.rows)
+    assert_faithful_half_precision_pass(report)
+    assert report.thresholds.fp4_activations and report.numerics["precision"] == "bfloat16 + FP4 activations"
+    assert report.activations["fp4"] and report.activations["basis"] == "set", report.activations
+    assert "EmulationNvFp4LinearKernel" in report.activations["how"] and "modelopt" in report.activations["how"]
+    assert "activations compared: FP4 (NVFP4, W4A4), set: the local engine this run started" in markdown(report)
     differing = [r for r in report.rows if not (r.tokens_identical and r.accepted_identical)]
     assert all(r.ties for r in differing)  # every differing prompt is explained by its listed ties
-    assert_not_vacuous(report)
+
+
+def test_an_activation_flag_the_engine_contradicts_is_refused(vllm, targets):
+    """The local engine quantizes this target's activations: --no-act-quant is refused before it starts."""
+    with pytest.raises(UserError, match="quantizes the target's activations.*drop --no-act-quant"):
+        parity(vllm, None, DRAFTER31, target=targets["modelopt"], act_quant=False,
+               runtime_options={"dtype": torch.bfloat16})
 
 
 @pytest.fixture

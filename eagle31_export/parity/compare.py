@@ -5,9 +5,10 @@ Pass rules (defaults in `Thresholds`):
   difference is a runtime bug, not noise);
 - greedy: every round's `accepted_per_step` (and drafts, where the runtime reports them) identical
   too (a random or weak drafter accepts little, so drafts are where a drafter-side bug shows first);
-- greedy replay, any precision: a difference where the reference's own logit gap is within the
-  tie tolerance of the runtime's precision is a numerical tie, counted and listed, never a failure
-  (parity/ties.py); every other difference fails with its symptom;
+- greedy replay, any precision: a difference where the runtime chose the reference's runner-up
+  within K times the error the runtime's precision measurably makes at that decision is a numerical
+  tie, counted and listed (parity/ties.py, parity/numerics.py); every other difference fails with its
+  symptom, and so do more ties than that precision explains (the tie budget);
 - fp16/bf16 runtime, greedy without replay: mean tau within `tau_rel_tol` of the reference
   (statistical: differing tokens are counted, not failed on);
 - sampling: per-position acceptance rates within a binomial confidence bound.
@@ -33,6 +34,7 @@ from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
 from eagle31_export.parity.evidence import inconclusive_reasons
 from eagle31_export.parity.sampling import GreedyDrafts, SamplingCheck, check_sampled
 from eagle31_export.parity.symptoms import LATER_POSITIONS, POSITION_1  # noqa: F401 (re-exported)
+from eagle31_export.parity.numerics import BUDGET_ALPHA, K, Measured, Measurer, TieBudget, expected_ties, measurer_for
 from eagle31_export.parity.ties import Divergence, divergences
 from eagle31_export.progress import Phases
 from eagle31_export.reference.speculate import LoopObserver, Round, Sampling, SpecResult
@@ -46,20 +48,17 @@ class Thresholds:
     logits_atol: float = 1e-3  # fp32 runtimes: first-step draft logits
     half_precision_logits_atol: float = 5e-2
     sampling_z: float = 3.0
-    # Logit gaps within which the reference's two candidates are a numerical tie (parity/ties.py).
-    # fp32: batched vs single-sequence logits of the tiny pair differ by up to 7.6e-6. Half precision:
-    # `benchmarks/tie_tolerance.py` prints how far the reference's own decision margins move between
-    # fp32 and bf16 (a few hundredths with bf16 or W4A16 weights; tenths once activations are
-    # quantized to FP4 too, `--act-quant`, where one rounding flips a whole FP4 step), beside these.
-    tie_gap_fp32: float = 1e-4
-    tie_gap_half_precision: float = 0.25
-    tie_gap_half_precision_fp4_activations: float = 1.0
+    # Ties: the runtime's choice within tie_k x the error its precision measurably makes at that
+    # decision (parity/numerics.py: K, and how it was chosen)
+    tie_k: float = K
     fp4_activations: bool = False  # the compared target quantizes its activations (W4A4)
+    # Sampled runs' drafts (parity/sampling.py) are judged by the drafter's top-2 margin against these
+    # (their replays carry no measurement at the runtime's precision yet)
+    sampled_tie_gap_fp32: float = 1e-4
+    sampled_tie_gap_half_precision: float = 0.25
 
-    def tie_gap(self, exact: bool) -> float:
-        if exact:
-            return self.tie_gap_fp32
-        return self.tie_gap_half_precision_fp4_activations if self.fp4_activations else self.tie_gap_half_precision
+    def sampled_tie_gap(self, exact: bool) -> float:
+        return self.sampled_tie_gap_fp32 if exact else self.sampled_tie_gap_half_precision
 
 
 @dataclass
@@ -85,6 +84,8 @@ class PromptRow:
     # replay: every differing token / round, as a numerical tie or not (parity/ties.py); None: not judged
     ties: list[str] | None = None
     untied: list[str] | None = None
+    # ties this prompt's precision explains (parity/numerics.py): observed, expected, decisions
+    tie_budget: dict | None = None
 
 
 @dataclass
@@ -112,6 +113,10 @@ class ParityReport:
     sampled: SamplingCheck | None = None  # greedy-drafts rule: (a) drafts exact and (b) acceptance law (parity/sampling.py)
     sampling_rule_basis: str | None = None  # how the runtime's rule is known (set, observed, stated)
     context: list[ContextRow] = field(default_factory=list)  # --context: acceptance by prompt length
+    # how the runtime's precision was measured (parity/numerics.py): the low side's precision, K, the
+    # error scales and normalized margin shifts over every decision; None where ties are not measured
+    numerics: dict | None = None
+    activations: dict | None = None  # FP4 activations or not, and how that is known (set, observed, stated)
 
     @property
     def passed(self) -> bool:
@@ -150,10 +155,16 @@ class ParityReport:
         seen = "tokens, rounds, accepted per round" + (", drafts" if self.drafts_reported else
                                                       " and per position (the runtime reports no drafts)")
         if self.ties_judged:
-            where = ("fp32, exact" if self.exact else "half precision" +
-                     (" with FP4 activations" if self.thresholds.fp4_activations else ""))
-            return (f"{seen}: identical ({where}), except numerical ties (reference logit gap <= "
-                    f"{self.thresholds.tie_gap(self.exact):g}), which are listed")
+            where = ("fp32" if self.exact else "half precision") + (
+                " with FP4 activations" if self.thresholds.fp4_activations else "")
+            said = (f"{seen}: identical ({where}), except numerical ties (the runtime's choice the reference's "
+                    f"runner-up within {self.thresholds.tie_k:g} x the error {self.numerics_precision} measurably "
+                    "makes at that decision), which are listed, and no more of them than that precision explains")
+            if self.numerics and self.numerics.get("median_error") is not None:
+                said += (f"; a bug that moves a decision by less than {self.thresholds.tie_k:g} x its measured "
+                         f"error (median {self.numerics['median_error']:.2g} logits here) is not told from "
+                         "precision one decision at a time")
+            return said
         if self.exact:
             return f"{seen}: identical (fp32, exact)"
         return (f"mean tau within {self.thresholds.tau_rel_tol:.0%}; prompts with differing tokens counted, not "
@@ -167,6 +178,20 @@ class ParityReport:
     def tie_count(self) -> int:
         return sum(len(r.ties or []) for r in self.rows)
 
+    @property
+    def numerics_precision(self) -> str:
+        return (self.numerics or {}).get("precision") or "the runtime's precision"
+
+    @property
+    def tie_budget(self) -> TieBudget | None:
+        """The ties of every prompt against what the measured errors explain (parity/numerics.py)."""
+        if not self.ties_judged or any(r.tie_budget is None for r in self.rows):
+            return None
+        total = TieBudget()
+        for row in self.rows:
+            total.add(TieBudget(row.tie_budget["expected"], row.tie_budget["decisions"], row.tie_budget["observed"]))
+        return total
+
     def tau(self, side: str) -> float:
         values = [getattr(r, f"tau_{side}") for r in self.rows]
         return sum(values) / max(len(values), 1)
@@ -176,8 +201,10 @@ class ParityReport:
                 "runtime": self.runtime, "mode": self.mode, "depth": self.depth,
                 "temperature": self.temperature, "exact_comparison": self.exact,
                 "compared": self.compared,
-                "thresholds": asdict(self.thresholds), "tie_gap": self.thresholds.tie_gap(self.exact),
-                "ties": self.tie_count if self.ties_judged else None, "tau_reference": self.tau("reference"),
+                "thresholds": asdict(self.thresholds), "numerics": self.numerics, "activations": self.activations,
+                "ties": self.tie_count if self.ties_judged else None,
+                "tie_budget": None if self.tie_budget is None else self.tie_budget.to_json(),
+                "tau_reference": self.tau("reference"),
                 "tau_runtime": self.tau("runtime"), "failures": self.failures,
                 "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth,
                 "concurrency": [{**asdict(c), "tokens_per_second": c.tokens_per_second} for c in self.concurrency],
@@ -276,14 +303,15 @@ def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | Non
 
 def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResult, logits_diff: float | None,
                    logits_atol: float, drafts_reported: bool = True, in_order: bool = True,
-                   tie_gap: float | None = None) -> PromptRow:
+                   measured: Measured | None = None, k: float = K) -> PromptRow:
     """One prompt's row. A runtime that reports no drafts (`Speculator.reports_drafts`) is compared on
     tokens and accepted counts; one whose rounds come as counts only (`rounds_in_order`) on their multiset.
-    `tie_gap`: judge every difference of a replay as a numerical tie or not (parity/ties.py)."""
+    `measured`: the error the runtime's precision makes at each of the replay's decisions: judge every
+    difference as a numerical tie or not (parity/ties.py), and count them against the tie budget."""
     divergent = (next((i for i, (a, b) in enumerate(zip(ref.drafts, run.drafts)) if a != b), None)
                  if drafts_reported else None)
-    found = (divergences(ref, run, tie_gap, run.drafts if drafts_reported else None)
-             if tie_gap is not None and in_order else None)
+    found = (divergences(ref, run, measured, k, run.drafts if drafts_reported else None)
+             if measured is not None and in_order else None)
     untied = [d for d in found or [] if not d.tie]
     same_rounds = (ref.accepted_per_step == run.accepted_per_step if in_order
                    else sorted(ref.accepted_per_step) == sorted(run.accepted_per_step))
@@ -300,6 +328,9 @@ def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResu
         accepted_per_position_reference=_counts(ref), accepted_per_position_runtime=_counts(run),
         ties=None if found is None else [d.describe() for d in found if d.tie],
         untied=None if found is None else [d.describe() for d in untied],
+        tie_budget=None if found is None else {
+            **expected_ties(ref, run, measured, drafts_reported).to_json(),
+            "observed": sum(d.tie and not d.decided_by_token for d in found)},
     )
 
 
@@ -339,12 +370,16 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
     check_runtime_serves(runtime, concurrency)
     report = ParityReport(runtime.name, depth, temperature, exact, thresholds, mode,
                           drafts_reported=runtime.reports_drafts, sampling=sampling, sampling_rule_basis=basis)
+    measurer = (measurer_for(reference, exact, runtime.compute_dtype, thresholds.fp4_activations)
+                if mode == "replay" else None)
     with phases.phase("compare", total=len(prompts)):
         runs, refs, seconds = _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
-                                               temperature, seed, exact, thresholds, mode, on_prompt, phases)
+                                               temperature, seed, exact, thresholds, mode, on_prompt, phases,
+                                               measurer)
     load = run_levels(runtime, prompts, depth, max_new_tokens, temperature, seed, concurrency, phases, repeat)
     report.failures = _failures(report)
-    _add_levels(report, runs, seconds, refs, load, _tie_judge(reference, prompts, report))
+    _add_levels(report, runs, seconds, refs, load, _tie_judge(reference, prompts, report, measurer))
+    _summarize(report, measurer)
     report.judge_evidence()
     if per_depth_positions:
         with phases.phase("per_depth"):
@@ -385,6 +420,7 @@ def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: C
         raise
     report = ParityReport(runtime.name, depth, 0.0, runtime.exact, thresholds, "replay",
                           drafts_reported=runtime.reports_drafts)
+    compute_dtype = runtime.compute_dtype
     if not runtime.rounds_in_order:
         runtime.close()
         raise UserError(f"the {runtime.name} runtime reported acceptance counts without the order of its rounds, "
@@ -398,20 +434,23 @@ def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: C
     if not hasattr(reference, "replay"):
         raise UserError("replay parity compares greedy runs of a reference pair; use --mode autoregressive")
     atol = thresholds.logits_atol if report.exact else thresholds.half_precision_logits_atol
+    with phases.phase("load_measure"):
+        measurer = measurer_for(reference, report.exact, compute_dtype, thresholds.fp4_activations)
     refs = []
     with phases.phase("compare", total=len(prompts)):
         for i, (prompt, (run, run_logits)) in enumerate(zip(prompts, runs)):
             ref_logits = FirstDraftLogits()
-            ref = reference.replay(prompt, run, observer=ref_logits)
+            ref, measured = _replayed(reference, measurer, prompt, run, ref_logits)
             refs.append(ref)
             row = compare_prompt(i, prompt, ref, run, _max_abs_diff(ref_logits.logits, run_logits.logits), atol,
-                                 report.drafts_reported, tie_gap=thresholds.tie_gap(report.exact))
+                                 report.drafts_reported, measured=measured, k=thresholds.tie_k)
             row.target_forwards_reference = 1
             report.rows.append(row)
             phases("compare", i + 1, len(prompts))
     report.failures = _failures(report)
     _add_levels(report, [run for run, _ in runs], phases.timings.get("runtime", 0.0), refs, load,
-                _tie_judge(reference, prompts, report))
+                _tie_judge(reference, prompts, report, measurer))
+    _summarize(report, measurer)
     report.judge_evidence()
     if positions:
         with phases.phase("per_depth"):
@@ -438,20 +477,55 @@ def _add_levels(report: ParityReport, runs: list[SpecResult], seconds: float, re
     report.failures += failures + compare_repeats(report.concurrency, runs, load, report.exact, judge)
 
 
-def _tie_judge(reference: Speculator, prompts: list[list[int]], report: ParityReport) -> Judge | None:
-    """Greedy, with a reference that replays: each run under load judged along its own sequence, at the
-    tie tolerance of the runtime's precision (parity/ties.py)."""
-    if report.temperature != 0 or not hasattr(reference, "replay"):
+def _tie_judge(reference: Speculator, prompts: list[list[int]], report: ParityReport,
+               measurer: Measurer | None) -> Judge | None:
+    """Greedy, with a reference that replays: each run under load judged along its own sequence, against
+    the error the runtime's precision measurably makes there (parity/ties.py, parity/numerics.py)."""
+    if report.temperature != 0 or not hasattr(reference, "replay") or measurer is None or measurer.unavailable:
         return None
-    gap, drafts = report.thresholds.tie_gap(report.exact), report.drafts_reported
+    k, drafts = report.thresholds.tie_k, report.drafts_reported
 
     def judge(index: int, run: SpecResult):
-        return divergences(reference.replay(prompts[index], run), run, gap, run.drafts if drafts else None)
+        ref, measured = measurer.replay(reference, prompts[index], run)
+        return divergences(ref, run, measured, k, run.drafts if drafts else None)
     return judge
 
 
+def _replayed(reference: Speculator, measurer: Measurer | None, prompt: list[int], run: SpecResult,
+              observer=None) -> tuple[SpecResult, Measured | None]:
+    """The reference's replay of `run`, and the error of each decision where the precision is measured."""
+    if measurer is None:
+        return reference.replay(prompt, run, observer=observer), None
+    return measurer.replay(reference, prompt, run, observer)
+
+
+def _summarize(report: ParityReport, measurer: Measurer | None) -> None:
+    """The measurement's figures, and the tie budget's verdict, into the report."""
+    if measurer is not None and measurer.unavailable:
+        report.numerics = measurer.summary(report.thresholds.tie_k)  # said in the report: nothing excused as a tie
+    if measurer is None or not report.ties_judged:
+        return
+    report.numerics = measurer.summary(report.thresholds.tie_k)
+    budget = report.tie_budget
+    if budget is not None and budget.exceeded:
+        report.failures.append(
+            f"{budget.observed} numerical ties: more differences than the runtime's precision explains "
+            f"({report.numerics_precision}: {budget.expected:.2g} expected over {budget.decisions} decisions, at "
+            f"most {budget.allowed} at p = {BUDGET_ALPHA:g}): a small systematic error, each of whose differences "
+            f"alone is within the measured error ({_tie_symptom(report)})")
+
+
+def _tie_symptom(report: ParityReport) -> str:
+    """Where a run's ties fall names what is slightly off: target tokens, the first draft step, later ones."""
+    ties = [t for row in report.rows for t in row.ties or []]
+    if sum(t.startswith("token") for t in ties) * 2 > len(ties):
+        return "the target's own tokens: target weights or NVFP4 scales"
+    return POSITION_1 if any("draft position 1:" in t for t in ties) else LATER_POSITIONS
+
+
 def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens, temperature, seed, exact,
-                     thresholds, mode, on_prompt, phases) -> tuple[list[SpecResult], list[SpecResult], float]:
+                     thresholds, mode, on_prompt, phases,
+                     measurer: Measurer | None = None) -> tuple[list[SpecResult], list[SpecResult], float]:
     """Each prompt on both sides, one row each; (the runtime's results, the reference's, the runtime's seconds)."""
     runs, refs, seconds = [], [], 0.0
     for i, prompt in enumerate(prompts):
@@ -459,8 +533,9 @@ def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
         start = time.perf_counter()
         run = runtime.run(prompt, max_new_tokens, depth, report.sampling or temperature, seed + i, observer=run_logits)
         seconds += time.perf_counter() - start
+        measured = None
         if mode == "replay":
-            ref, forwards = reference.replay(prompt, run, observer=ref_logits), 1
+            (ref, measured), forwards = _replayed(reference, measurer, prompt, run, ref_logits), 1
         else:
             ref = reference.run(prompt, max_new_tokens, depth, report.sampling or temperature, seed + i,
                                 observer=ref_logits)
@@ -468,7 +543,7 @@ def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
         atol = thresholds.logits_atol if exact else thresholds.half_precision_logits_atol
         diff = _max_abs_diff(ref_logits.logits, run_logits.logits)
         row = compare_prompt(i, prompt, ref, run, diff, atol, runtime.reports_drafts, runtime.rounds_in_order,
-                             tie_gap=thresholds.tie_gap(exact) if mode == "replay" else None)
+                             measured=measured, k=thresholds.tie_k)
         row.target_forwards_reference = forwards
         report.rows.append(row)
         runs.append(run)
@@ -489,7 +564,7 @@ def compare_sampled(reference: Speculator, runtime: Speculator, prompts: list[li
         raise UserError("sampling parity under the greedy-drafts rule replays a reference pair (--drafter, --target)")
     report = ParityReport(runtime.name, depth, sampling.temperature, runtime.exact, thresholds, "sampled-replay",
                           drafts_reported=runtime.reports_drafts, sampling=sampling, sampling_rule_basis=rule_basis)
-    gap, replays = thresholds.tie_gap(runtime.exact), []
+    gap, replays = thresholds.sampled_tie_gap(runtime.exact), []
     with phases.phase("compare", total=len(prompts)):
         for i, prompt in enumerate(prompts):
             run = runtime.run(prompt, max_new_tokens, depth, sampling, seed + i)
@@ -514,7 +589,8 @@ def _greedy_drafts(reference: Speculator, runtime: Speculator, prompts: list[lis
     with phases.phase("greedy_drafts", total=len(prompts)):
         for i, prompt in enumerate(prompts):
             run = runtime.run(prompt, max_new_tokens, depth, 0.0, seed + i)
-            found = divergences(reference.replay(prompt, run), run, gap, run.drafts if runtime.reports_drafts else None)
+            ref = reference.replay(prompt, run)
+            found = divergences(ref, run, Measured.flat(ref, gap), K, run.drafts if runtime.reports_drafts else None)
             rounds += len(run.accepted_per_step)
             ties += sum(d.tie for d in found or [])
             untied += [f"prompt {i}, {d.describe()} ({_untied_symptom(d)})" for d in found or [] if not d.tie]
@@ -541,8 +617,9 @@ def _sampled_row(prompt: list[int], run: SpecResult, check: SamplingCheck) -> Pr
 def _failures(report: ParityReport) -> list[str]:
     out = []
     if report.temperature == 0 and report.ties_judged:
-        return [f"prompt {row.prompt_index}: {row.untied[0]} beyond the tie tolerance "
-                f"{report.thresholds.tie_gap(report.exact):g} ({row.symptom})" for row in report.rows if row.untied]
+        return [f"prompt {row.prompt_index}: {row.untied[0]}, not a numerical tie (a tie: the reference's "
+                f"runner-up within {report.thresholds.tie_k:g} x the measured error) ({row.symptom})"
+                for row in report.rows if row.untied]
     if report.temperature == 0:
         for row in report.rows:
             if not report.exact:

@@ -113,11 +113,15 @@ def _z(z: float | None) -> str:
 
 def dtype_lines(report: ParityReport) -> list[str]:
     """What the runtime computes in, and whether that was observed, set or only stated."""
-    d = report.runtime_dtype
-    if not d:
-        return []
-    said = {"observed": "observed", "set": "set", "stated": "**stated, not observed**"}.get(d["basis"], d["basis"])
-    return [f"runtime dtype: {d['dtype']}, {said}: {d['how']}", ""]
+    d, lines = report.runtime_dtype, []
+    if d:
+        said = {"observed": "observed", "set": "set", "stated": "**stated, not observed**"}.get(d["basis"], d["basis"])
+        lines = [f"runtime dtype: {d['dtype']}, {said}: {d['how']}", ""]
+    a = report.activations
+    if a:
+        which = "FP4 (NVFP4, W4A4)" if a["fp4"] else "not quantized (W4A16 where the weights are NVFP4)"
+        lines += [f"activations compared: {which}, {a['basis']}: {a['how']}", ""]
+    return lines
 
 
 def repeat_lines(report: ParityReport) -> list[str]:
@@ -166,9 +170,21 @@ def _cold_cache_note(repeats) -> list[str]:
 
 def tie_lines(report: ParityReport) -> list[str]:
     """Each numerical tie (parity/ties.py), by prompt: what was not failed on, and why."""
+    unmeasured = (report.numerics or {}).get("unavailable")
+    if unmeasured:
+        return [f"Numerical ties not judged: {unmeasured}; no difference is excused as a tie.", ""]
     if not report.ties_judged or not report.tie_count:
         return []
-    lines = [f"## Numerical ties ({report.tie_count}; tolerance {report.thresholds.tie_gap(report.exact):g})", ""]
+    n, budget = report.numerics or {}, report.tie_budget
+    lines = [f"## Numerical ties ({report.tie_count}; the reference's runner-up within {report.thresholds.tie_k:g} x "
+             f"the error {report.numerics_precision} measurably makes at that decision)", ""]
+    if n.get("median_error") is not None:
+        lines += [f"Measured over {n['decisions']} decisions: error median {n['median_error']:.2g}, p99 "
+                  f"{n['p99_error']:.2g} logits; top-2 margin shift / error median {n['z_median']:.2g}, p99 "
+                  f"{n['z_p99']:.2g}, max {n['z_max']:.2g}.", ""]
+    if budget is not None:
+        lines += [f"Tie budget: {budget.observed} observed, {budget.expected:.2g} expected over {budget.decisions} "
+                  f"decisions, at most {budget.allowed} allowed.", ""]
     return lines + [f"- prompt {r.prompt_index}: {tie}" for r in report.rows for tie in r.ties] + [""]
 
 

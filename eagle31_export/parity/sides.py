@@ -56,7 +56,7 @@ def check_bundle(bundle: Path, drafter: Path | None, target: Path | None) -> Non
 def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target: Path | None, url: str | None,
                  prompts_file: Path | None, depth: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                  progress=None, mode: str | None = None, capture: Path | None = None,
-                 act_quant: bool = False, device: str = "cpu", runtime_options: dict | None = None,
+                 act_quant: bool | None = None, device: str = "cpu", runtime_options: dict | None = None,
                  concurrency: tuple[int, ...] = (1,), repeat: int = 0, top_p: float = 1.0, top_k: int = 0,
                  sampling_rule: str | None = None, context: tuple[int, ...] = (),
                  per_length: int = PROMPTS_PER_LENGTH) -> ParityReport:
@@ -67,7 +67,7 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     prompt, per_depth; eagle31_export/progress.py), whose seconds land in `report.timings`. With
     `capture` (instead of `target`) both sides read the target's outputs from it and the prompts are
     the captured ones. `act_quant`: an NVFP4 target computes W4A4 (its inputs NVFP4-quantized too) on
-    both sides. `device` (cpu, cuda, auto): where the reference pair computes, on both sides.
+    both sides; None: as the runtime computes where it tells (vllm: `served_activations`), else not. `device` (cpu, cuda, auto): where the reference pair computes, on both sides.
     `runtime_options`: LoadOptions fields for the runtime side only (vllm: `dtype` of the engine, `vllm`,
     `port`, `engine_timeout`); the reference always computes in fp32. `dtype` None: not stated, which
     a vLLM server at `url` is asked (runtime/vllm_runtime.py: served_dtype); everywhere else fp32.
@@ -116,14 +116,16 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     elif repeat and not prompts_file:
         prompts = _with_opening(prompts, vocab, info.max_position_embeddings,
                                 max_new_tokens + depth + 1)
+    activations = _activations(runtime, target, url, act_quant, runtime_options)
     # the reference reads NVFP4 scales as the engine compared with does (formats/nvfp4/scheme.py: NVFP4_SEMANTICS)
-    options = LoadOptions(dtype=torch.float32, act_quant=act_quant, device=device,
+    options = LoadOptions(dtype=torch.float32, act_quant=bool(activations and activations["fp4"]), device=device,
                           nvfp4_semantics=runtime_named(runtime).nvfp4_semantics)
     # --context: acceptance by length is the measurement; the per-depth one (teacher-forced, both sides)
     # would run again over every long prompt and is left to a parity run at short prompts
     report = _run_sides(runtime, PairSource.of(drafter, target), PairSource.of(drafter, target, bundle, url),
                         options, prompts, depth, max_new_tokens, temperature, seed, mode, phases, runtime_options,
                         concurrency, repeat, sampling, per_depth_positions=0 if context else PER_DEPTH_POSITIONS)
+    report.activations = activations
     if context:
         report.context = context_rows(report.rows, context, report.failures)
         failure = long_context_failure(report.context)
@@ -131,6 +133,19 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
     if report.failures:
         report.failures[:0] = _served_rope_failures(bundle, drafter)
     return report
+
+
+def _activations(runtime: str, target: Path, url: str | None, stated: bool | None,
+                 runtime_options: dict) -> dict | None:
+    """What activation precision both sides compute, and how that is known: as the runtime computes
+    where it tells (a vLLM engine: its target's quantization config and NVFP4 kernel), else as stated."""
+    if runtime == "vllm":
+        from eagle31_export.runtime.vllm_runtime import served_activations
+
+        return served_activations(target, url, stated, runtime_options.get("vllm"))
+    if stated:
+        return {"fp4": True, "basis": "stated", "how": "--act-quant"}
+    return None
 
 
 def _served_rope_failures(bundle: Path | None, drafter: Path) -> list[str]:

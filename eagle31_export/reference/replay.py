@@ -23,6 +23,7 @@ from eagle31_export.reference.speculate import (
     Sampling,
     SpecResult,
     TargetBackend,
+    Top,
     _draft_steps,
     _Sampler,
 )
@@ -54,9 +55,12 @@ def verified_sequence(prompt: list[int], run: SpecResult, target: TargetBackend 
 
 @torch.no_grad()
 def replay_greedy(target: TargetBackend, drafter: DrafterBackend, prompt: list[int], run: SpecResult,
-                  observer: LoopObserver | None = None) -> SpecResult:
+                  observer: LoopObserver | None = None, follow: list[list[int]] | None = None) -> SpecResult:
     """The reference's result for `run`'s rounds: tokens are the target's greedy tokens along the
-    runtime's sequence, drafts are the reference drafter's at the runtime's round boundaries."""
+    runtime's sequence, drafts are the reference drafter's at the runtime's round boundaries. Every
+    decision's best candidates are kept (`token_tops`, `draft_tops`). `follow`: per round, the drafts
+    fed back at steps 2..depth instead of this drafter's own (another replay's, so that a pair at
+    another precision is measured at the very same decisions: parity/numerics.py)."""
     observer = observer or LoopObserver()
     seq, starts = verified_sequence(prompt, run, target)
     target.reset()
@@ -66,7 +70,10 @@ def replay_greedy(target: TargetBackend, drafter: DrafterBackend, prompt: list[i
     tokens = greedy[p - 1: p - 1 + len(run.tokens)]
     result = SpecResult(tokens=tokens, drafts=[], accepted_per_step=[], depth=run.depth,
                         token_gaps=_token_gaps(logits[0, p - 1: p - 1 + len(run.tokens)], tokens, run.tokens),
-                        draft_margins=[])
+                        draft_margins=[], draft_tops=[],
+                        # past the run's tokens too: the target's decisions on the last round's drafts that
+                        # max_new_tokens cut (parity/ties.py judges a round there by either side)
+                        token_tops=[Top.of(row) for row in logits[0, p - 1:]])
     observer.on_prefill(tokens[0])
     sampler, vocab = _Sampler(0.0, 0), logits.shape[-1]
     drafter.reset()
@@ -74,9 +81,12 @@ def replay_greedy(target: TargetBackend, drafter: DrafterBackend, prompt: list[i
         committed = drafter.length
         ids, positions = torch.tensor([seq[committed + 1: m + 1]]), torch.arange(committed, m).unsqueeze(0)
         margins: list[float] = []
+        tops: list[Top] = []
         drafts, _, first_logits = _draft_steps(drafter, ids, positions, taps[:, committed:m], m, run.depth,
-                                               sampler, vocab, margins)
+                                               sampler, vocab, margins, tops,
+                                               follow[index] if follow is not None and index < len(follow) else None)
         result.draft_margins.append(margins)
+        result.draft_tops.append(tops)
         drafter.truncate(m)
         accepted = _accepted(drafts, seq, greedy, m)
         result.drafts.append(drafts)

@@ -154,6 +154,11 @@ class SpecResult:
     # (not part of a result's equality: they describe the reference's margins, not what was decided)
     token_gaps: list[float] | None = field(default=None, compare=False)
     draft_margins: list[list[float]] | None = field(default=None, compare=False)
+    # the best candidates of every decision (parity/numerics.py measures how far precision moves them):
+    # token_tops[i] the target's at generated position i (past the tokens: on the last round's drafts that
+    # max_new_tokens cut), draft_tops[r][k] the drafter's at step k + 1
+    token_tops: list["Top"] | None = field(default=None, compare=False)
+    draft_tops: list[list["Top"]] | None = field(default=None, compare=False)
 
     @property
     def acceptance_length(self) -> float:
@@ -370,22 +375,51 @@ def prefill(target: TargetBackend, drafter: DrafterBackend, prompt: list[int],
 
 
 def _draft_steps(drafter: DrafterBackend, ids, positions, taps, m: int, depth: int, sampler: _Sampler, vocab: int,
-                 margins: list[float] | None = None):
+                 margins: list[float] | None = None, tops: list["Top"] | None = None, follow: list[int] | None = None):
     """Step 1 on the tapped states, steps 2..depth on the drafter's own fed-back state. `margins`, when
-    given, receives each step's top-1 minus top-2 draft logit."""
+    given, receives each step's top-1 minus top-2 draft logit; `tops` its best candidates (`Top`, as
+    target ids). `follow`: the draft tokens fed back instead of its own (another pair's chain, so that
+    both are measured at the same decisions)."""
     draft_logits, fed_back = drafter.forward(ids, positions, taps, True)
     first_logits = draft_logits[0, -1].detach().clone()
     drafts, q = [], []
     for i in range(depth):
         if margins is not None:
             margins.append(top2_margin(draft_logits[0, -1]))
+        if tops is not None:
+            tops.append(Top.of(draft_logits[0, -1], drafter.draft_to_target))
         token, dist = sampler.draft(draft_logits[0, -1], drafter, vocab)
         drafts.append(token)
         q.append(dist)
         if i + 1 < depth:
-            draft_logits, fed_back = drafter.forward(torch.tensor([[token]]), torch.tensor([[m + i]]),
+            fed = follow[i] if follow is not None and i < len(follow) else token
+            draft_logits, fed_back = drafter.forward(torch.tensor([[fed]]), torch.tensor([[m + i]]),
                                                      fed_back[:, -1:], False)
     return drafts, q, first_logits
+
+
+TOP_RECORDED = 32  # candidates kept per decision: enough to rank a runtime's choice and measure a shift
+
+
+@dataclass(frozen=True)
+class Top:
+    """A decision's best candidates, best first: target vocabulary ids and their logits (fp64)."""
+
+    ids: tuple[int, ...]
+    values: tuple[float, ...]
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, to_target=None, k: int = TOP_RECORDED) -> "Top":
+        found = torch.topk(logits.detach().double(), min(k, logits.numel()))
+        ids = found.indices if to_target is None else to_target(found.indices)
+        return cls(tuple(int(i) for i in ids), tuple(float(v) for v in found.values))
+
+    def rank(self, token: int) -> int | None:
+        """1 for the best candidate; None where `token` is not among those kept."""
+        return self.ids.index(token) + 1 if token in self.ids else None
+
+    def value(self, token: int) -> float | None:
+        return self.values[self.ids.index(token)] if token in self.ids else None
 
 
 def top2_margin(logits: torch.Tensor) -> float:

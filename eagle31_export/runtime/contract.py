@@ -67,6 +67,9 @@ class Speculator:
     reports_drafts = True  # False: the runtime returns tokens and acceptance counts, not its drafts (vLLM)
     rounds_in_order = True  # False: accepted counts per round are known as counts only, not in order
     serves_concurrently = False  # True: requests in flight together are served together (batched), not queued
+    compute_dtype: torch.dtype = torch.float32  # what it computes in: parity measures ties at this precision
+    # what it says of its activation precision, where it tells: {"fp4": bool, "basis", "how"} (vllm)
+    activations: dict | None = None
 
     def close(self) -> None:
         """Release what the runtime holds outside this process (a server it started)."""
@@ -151,10 +154,12 @@ class LoopSpeculator(Speculator):
             return speculate(self.target, self.drafter, list(prompt_ids), max_new_tokens, depth, temperature, seed,
                              tuple(stop_ids), observer)
 
-    def replay(self, prompt_ids: list[int], run: SpecResult, observer: LoopObserver | None = None) -> SpecResult:
-        """This pair's drafts at another greedy run's round boundaries, with one target forward."""
+    def replay(self, prompt_ids: list[int], run: SpecResult, observer: LoopObserver | None = None,
+               follow: list[list[int]] | None = None) -> SpecResult:
+        """This pair's drafts at another greedy run's round boundaries, with one target forward
+        (`follow`: reference/replay.py, replay_greedy)."""
         with self._turn:
-            return replay_greedy(self.target, self.drafter, list(prompt_ids), run, observer)
+            return replay_greedy(self.target, self.drafter, list(prompt_ids), run, observer, follow)
 
     def replay_sampled(self, prompt_ids: list[int], run: SpecResult, sampling: Sampling) -> list[SampledRound]:
         """This pair along a sampled greedy-drafts run: its drafts and the target's probability of each."""

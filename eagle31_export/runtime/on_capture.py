@@ -25,9 +25,9 @@ class CaptureSpeculator(LoopSpeculator):
         self._start(prompt_ids, max_new_tokens, depth, temperature)
         return super().run(prompt_ids, max_new_tokens, depth, temperature, seed, stop_ids, observer)
 
-    def replay(self, prompt_ids, run, observer=None):
+    def replay(self, prompt_ids, run, observer=None, follow=None):
         self._start(prompt_ids, len(run.tokens), run.depth, 0.0)
-        return super().replay(prompt_ids, run, observer)
+        return super().replay(prompt_ids, run, observer, follow)
 
     def _start(self, prompt_ids, max_new_tokens: int, depth: int, temperature: float) -> None:
         if temperature != 0:

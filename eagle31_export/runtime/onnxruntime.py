@@ -525,8 +525,11 @@ def load(source, options, workdir: Path | None = None):
     if isinstance(target, OrtTargetBackend):  # both sides are graphs: requests in flight run batched
         from eagle31_export.runtime.batching import BatchingSpeculator
 
-        return BatchingSpeculator("onnxruntime", target, drafter, exact)
-    return LoopSpeculator("onnxruntime", target, drafter, exact)
+        speculator = BatchingSpeculator("onnxruntime", target, drafter, exact)
+    else:
+        speculator = LoopSpeculator("onnxruntime", target, drafter, exact)
+    speculator.compute_dtype = torch.float32 if exact else torch.float16  # the graphs' dtype: fp32 or fp16
+    return speculator
 
 
 def _verifying_target(export: OnnxExport, source) -> Path:

@@ -6,6 +6,7 @@ running it against the source drafter checks that the export reads back as the s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,9 +19,19 @@ EXACT_DTYPES = (torch.float32, torch.float64)
 
 
 class ReferenceSpeculator(LoopSpeculator):
-    def __init__(self, pair: ReferencePair, exact: bool):
+    def __init__(self, pair: ReferencePair, exact: bool, source: PairSource | None = None,
+                 options: LoadOptions | None = None):
         super().__init__("reference", pair.target, pair.drafter, exact)
         self.pair = pair
+        self.source, self.options = source, options
+        self.compute_dtype = options.dtype if options is not None else torch.float32
+
+    def at_precision(self, dtype: torch.dtype) -> "ReferenceSpeculator | None":
+        """The same pair computing in `dtype` (the same activation and NVFP4 semantics): what parity
+        measures the runtime's precision with (parity/numerics.py)."""
+        if self.source is None or self.options is None:
+            return None
+        return load(self.source, replace(self.options, dtype=dtype))
 
 
 def _kernel_provider(name: str, device: str = "cpu"):
@@ -63,7 +74,8 @@ def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir: Path
     kernels = _kernel_provider(options.kernels, options.device)
     pair = load_pair(drafter, target, dtype=options.dtype, act_quant=options.act_quant, kernels=kernels,
                      nvfp4_semantics=options.nvfp4_semantics)
-    return place(ReferenceSpeculator(pair, exact=options.dtype in EXACT_DTYPES), options.device)
+    return place(ReferenceSpeculator(pair, exact=options.dtype in EXACT_DTYPES, source=source, options=options),
+                 options.device)
 
 
 def place(speculator: LoopSpeculator, device: str) -> LoopSpeculator:

@@ -52,6 +52,8 @@ class VllmSpeculator(Speculator):
         self.client, self.exact, self.server = client, exact, server
         # what the engine computes in, and how we know: {"dtype", "basis": set | observed | stated, "how"}
         self.runtime_dtype = runtime_dtype
+        names = {name: dtype for dtype, name in VLLM_DTYPES.items()}
+        self.compute_dtype = names.get((runtime_dtype or {}).get("dtype"), torch.float32 if exact else torch.bfloat16)
         self.rounds_in_order = True  # False once a server answers without per-step acceptance
         self._finalizer = weakref.finalize(self, _shutdown, server, cleanup)
 
@@ -363,3 +365,40 @@ def engine_args(record: dict, options: LoadOptions, speculative: bool = True) ->
             "--dtype", dtype, "--enforce-eager", "--max-model-len", str(context), "--seed", "0",
             "--generation-config", "vllm", "--skip-tokenizer-init", "--tensor-parallel-size", "1",
             "--distributed-executor-backend", "uni"]
+
+
+EMULATION_KERNEL = ("vLLM's EmulationNvFp4LinearKernel (vllm/model_executor/kernels/linear/nvfp4/emulation.py), "
+                    "which our plugin lists for the CPU build: it quantizes a Linear's input to FP4 wherever the "
+                    "checkpoint gives it an input scale")
+
+
+def served_activations(target: Path, url: str | None, stated: bool | None, vllm: str | None) -> dict | None:
+    """Whether the engine feeds FP4 activations to the target's NVFP4 Linears, and how that is known:
+    {"fp4", "basis", "how"}; None for a target without NVFP4 weights (and no statement). A local engine
+    on vLLM's CPU build computes what the target's quantization config declares (EMULATION_KERNEL),
+    which a contrary --act-quant / --no-act-quant cannot change: refused. A server at --url may run
+    NVFP4 weight-only where its GPU has no FP4 GEMMs (Marlin), which it does not report: the config is
+    followed unless stated otherwise."""
+    from eagle31_export.formats.nvfp4.scheme import detect_scheme
+
+    scheme = detect_scheme(target)
+    if scheme is None:
+        return None if not stated else {"fp4": True, "basis": "stated", "how": "--act-quant"}
+    declared = "NVFP4 activations (input scales)" if scheme.act_quant else "weight-only NVFP4 (no input scales)"
+    config = f"the target's quantization config ({scheme.format}: {declared})"
+    if stated and not scheme.act_quant:
+        raise UserError(f"--act-quant: {target} is {declared}, so vLLM computes its activations unquantized; drop "
+                        "--act-quant")
+    local_cpu = url is None and find_vllm(vllm).cpu_build
+    if local_cpu:
+        if stated is not None and stated != scheme.act_quant:
+            raise UserError(f"--no-act-quant: the local vLLM engine (its CPU build) quantizes the target's activations "
+                            f"to FP4 ({config}, run by {EMULATION_KERNEL}); drop --no-act-quant")
+        return {"fp4": scheme.act_quant, "basis": "set",
+                "how": f"the local engine this run started: {config}, run by {EMULATION_KERNEL}"}
+    if stated is not None:
+        return {"fp4": stated, "basis": "stated", "how": ("--act-quant" if stated else "--no-act-quant") +
+                f", against {config}"}
+    return {"fp4": scheme.act_quant, "basis": "config",
+            "how": f"{config}; the server does not say which NVFP4 kernel it runs (a GPU without FP4 GEMMs runs "
+                   "NVFP4 weight-only, through Marlin): pass --no-act-quant for such a server"}

@@ -36,6 +36,18 @@ def shift_d2t(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:
     return DrafterCheckpoint(ckpt.config, tensors)
 
 
+def scale_rope_theta(ckpt: DrafterCheckpoint, factor: float = 4.0) -> DrafterCheckpoint:
+    """The drafter's rope_theta written as another model's (x4): positions rotate at other speeds."""
+    return DrafterCheckpoint(ckpt.config.replace(rope_theta=ckpt.config.rope_theta * factor), ckpt.tensors)
+
+
+def scale_fc(ckpt: DrafterCheckpoint, factor: float = 1.05) -> DrafterCheckpoint:
+    """fc's weights scaled by 5 %: a converter's rescaling gone slightly wrong; every draft moves a little."""
+    tensors = dict(ckpt.tensors)
+    tensors["fc.weight"] = (tensors["fc.weight"].float() * factor).to(tensors["fc.weight"].dtype)
+    return DrafterCheckpoint(ckpt.config, tensors)
+
+
 # ---- NVFP4 target checkpoints, edited in place (both sides of a comparison then read the same file) ----
 
 def drop_rope_scaling(ckpt: DrafterCheckpoint) -> DrafterCheckpoint:

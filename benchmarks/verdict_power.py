@@ -1,0 +1,174 @@
+"""Verdict power: how often greedy parity fails a sabotaged drafter (detection) and passes a faithful
+one (false alarms), per precision, under the measured tie rule (parity/numerics.py, parity/ties.py)
+and, beside it, under the old constant tie gaps (1e-4 fp32, 0.25 bf16, 1.0 bf16 with FP4 activations;
+no tie budget).
+
+    .venv/bin/python benchmarks/verdict_power.py --quick          # a few minutes on 2 cores
+    .venv/bin/python benchmarks/verdict_power.py --runs 100       # the figures docs/runtimes.md quotes
+
+The runtime is our own: the reference pair's loop (`--runtime reference`) computing at the precision
+(fp32; bf16; bf16 with FP4 activations on the NVFP4 target), over the faithful drafter or a sabotaged
+one (tests/parity/sabotage.py). It generates autoregressively, one verification forward a round, while
+parity's reference replays the whole sequence in one forward: at bf16 the two round differently,
+which is what a faithful engine's numerics look like to parity. Each run is `--prompts` held-out
+prompts of the tiny pair, a different window of its held-out text every run. Every run is judged
+twice: as our runtimes are (every draft compared) and as vLLM is (accepted counts only,
+`reports_drafts` False). Detection and false alarms are counted per cell, with a one-sided 95 %
+bound (the rule of three where nothing was missed). The distribution that K comes from is printed
+last: z = |top-2 margin shift| / measured error over every faithful decision, and each faithful
+difference's margin in units of its measured error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from eagle31_export.demo.pair import DRAFTERS, TARGET, TARGET_NVFP4, EmbeddedPair
+from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
+from eagle31_export.parity.compare import ParityReport, Thresholds, _failures, _summarize, compare_prompt
+from eagle31_export.parity.numerics import K, measurer_for
+from eagle31_export.parity.ties import divergences
+from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "parity"))
+from sabotage import (  # noqa: E402
+    drop_fc_norm, pre_norm_feedback, scale_fc, scale_rope_theta, shift_aux_ids, shift_d2t,
+)
+
+PAIR = EmbeddedPair.open(ROOT / "examples" / "tiny" / "models")
+EAGLE31 = PAIR.folder / DRAFTERS["EAGLE 3.1"]
+PRECISIONS = {"fp32": (torch.float32, False, TARGET), "bf16": (torch.bfloat16, False, TARGET),
+              "bf16+FP4 act": (torch.bfloat16, True, TARGET_NVFP4)}
+SABOTAGES = {"faithful": lambda c: c, "taps shifted": lambda c: shift_aux_ids(c, 8), "fc_norm dropped": drop_fc_norm,
+             "norm_output dropped": pre_norm_feedback, "d2t off by one": shift_d2t,
+             "rope_theta x4": scale_rope_theta, "fc x 1.05": scale_fc}
+OLD_GAPS = {"fp32": 1e-4, "bf16": 0.25, "bf16+FP4 act": 1.0}
+DEPTH = 3
+
+
+def old_rule_fails(ref, run, gap: float, drafts_reported: bool) -> bool:
+    """The constant rule this replaces: a difference is a tie when the reference's token gap or top-2
+    draft margin there is within `gap`; no rank, no budget."""
+    found = {i: g for i, (a, b, g) in enumerate(zip(ref.tokens, run.tokens, ref.token_gaps)) if a != b}
+    if any(g > gap for g in found.values()):
+        return True
+    done = 1
+    for r, (a, b) in enumerate(zip(ref.accepted_per_step, run.accepted_per_step)):
+        step = min(a, b) + 1 if a != b else (
+            next((j + 1 for j, (x, y) in enumerate(zip(ref.drafts[r], run.drafts[r])) if x != y), None)
+            if drafts_reported else None)
+        decided_by_token = step is not None and any(done + j in found for j in range(step))
+        if (step is not None and not decided_by_token and step <= len(ref.draft_margins[r])
+                and ref.draft_margins[r][step - 1] > gap):
+            return True
+        done += b + 1
+    return False
+
+
+def one_run(reference, runtime, measurer, prompts, tokens: int, fp4: bool, name: str, faithful_ratios: list):
+    """(new verdict fails with drafts, new fails on counts only, old fails with drafts, old on counts)."""
+    thresholds = Thresholds(fp4_activations=fp4)
+    reports = {seen: ParityReport("reference", DEPTH, 0.0, reference.exact and runtime.exact, thresholds, "replay",
+                                  drafts_reported=seen) for seen in (True, False)}
+    old = {True: False, False: False}
+    for i, prompt in enumerate(prompts):
+        run = runtime.run(prompt, tokens, DEPTH)
+        ref, measured = measurer.replay(reference, prompt, run)
+        for seen, report in reports.items():
+            shown = run if seen else type(run)(run.tokens, [], run.accepted_per_step, run.depth)
+            report.rows.append(compare_prompt(i, prompt, ref, shown, None, 1.0, seen, measured=measured, k=K))
+            old[seen] |= old_rule_fails(ref, shown, OLD_GAPS[name], seen)
+            if seen and faithful_ratios is not None:
+                faithful_ratios += [d.gap / d.error for d in divergences(ref, shown, measured, K, shown.drafts) or []
+                                    if d.error and math.isfinite(d.gap) and d.gap > 0]
+    out = []
+    for seen, report in reports.items():
+        report.failures = _failures(report)
+        _summarize(report, measurer)
+        out.append(bool(report.failures))
+    return out + [old[True], old[False]]
+
+
+def bound(hits: int, n: int, detection: bool) -> str:
+    """The one-sided 95 % bound on the rate: lower for detection, upper for false alarms (exact binomial)."""
+    if n == 0:
+        return "-"
+    target = hits if detection else n - hits  # count the "good" outcomes
+    lo = 0.0 if target == 0 else _clopper_lower(target, n)
+    return f"{lo:.3f}" if detection else f"{1 - lo:.3f}"
+
+
+def _clopper_lower(k: int, n: int, alpha: float = 0.05) -> float:
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # bisection on P(X >= k | p) = alpha
+        mid = (lo + hi) / 2
+        tail = sum(math.comb(n, j) * mid ** j * (1 - mid) ** (n - j) for j in range(k, n + 1))
+        lo, hi = (mid, hi) if tail < alpha else (lo, mid)
+    return lo
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20, help="runs per sabotage and precision")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per run")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="5 runs a cell: minutes, not hours")
+    parser.add_argument("--precision", action="append", choices=list(PRECISIONS))
+    parser.add_argument("--sabotage", action="append", choices=list(SABOTAGES))
+    args = parser.parse_args()
+    runs = 5 if args.quick else args.runs
+    torch.set_num_threads(1)
+    need = runs * args.prompts
+    pool = PAIR.held_out_prompts(48, per_text=max(8, need // 10 + 1))  # windows evenly spaced over each text
+    prompts = [pool[(i * 7919) % len(pool)] for i in range(need)]  # each run's from all over the held-out text
+    print(f"{runs} runs a cell, {args.prompts} held-out prompts a run ({len(pool)} windows), {args.tokens} tokens, "
+          f"depth {DEPTH}, K = {K:g}")
+    print(f"{'precision':14} {'sabotage':20} {'runs':>4} | {'new: drafts':>11} {'95% bound':>9} {'new: counts':>11} "
+          f"{'95% bound':>9} | {'old: drafts':>11} {'old: counts':>11} | {'s':>5}")
+    ratios: list[float] = []
+    z_all: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.precision or PRECISIONS:
+            dtype, fp4, target_name = PRECISIONS[name]
+            target = PAIR.folder / target_name
+            reference = load_speculator("reference", PairSource.of(EAGLE31, target), LoadOptions(act_quant=fp4))
+            measurer = measurer_for(reference, dtype == torch.float32, dtype, fp4)
+            for sabotage in args.sabotage or SABOTAGES:
+                drafter = write_drafter(SABOTAGES[sabotage](read_drafter(EAGLE31)),
+                                        Path(tmp) / f"{name}-{sabotage}".replace(" ", "_"), "specforge")
+                runtime = load_speculator("reference", PairSource.of(drafter, target),
+                                          LoadOptions(dtype=dtype, act_quant=fp4))
+                faithful = sabotage == "faithful"
+                start, counts = time.perf_counter(), [0, 0, 0, 0]
+                for r in range(runs):
+                    measurer.measured.clear()
+                    verdicts = one_run(reference, runtime, measurer, prompts[r * args.prompts:(r + 1) * args.prompts],
+                                       args.tokens, fp4, name, ratios if faithful else None)
+                    if faithful:
+                        z_all += [v for m in measurer.measured for v in m.z]
+                    counts = [c + v for c, v in zip(counts, verdicts)]
+                shown = [f"{c}/{runs}" for c in counts]
+                print(f"{name:14} {sabotage:20} {runs:4d} | {shown[0]:>11} {bound(counts[0], runs, not faithful):>9} "
+                      f"{shown[1]:>11} {bound(counts[1], runs, not faithful):>9} | {shown[2]:>11} {shown[3]:>11} | "
+                      f"{time.perf_counter() - start:5.0f}", flush=True)
+    print("(failing runs out of runs: detections for a sabotage, false alarms for the faithful drafter; the bound is "
+          "the one-sided 95 % lower bound of detection, upper bound of false alarms)")
+    for label, xs in (("z = |top-2 margin shift| / e, faithful decisions", z_all),
+                      ("faithful differences' margin / e", ratios)):
+        xs = sorted(xs)
+        if xs:
+            q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
+            print(f"{label}: n {len(xs)}, median {q(0.5):.2f}, p99 {q(0.99):.2f}, p99.9 {q(0.999):.2f}, "
+                  f"max {xs[-1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
