@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -178,8 +179,21 @@ def test_four_tap_speculators_drafter_runs_exactly(vllm, tmp_path, sources):
 
 
 def _comparable(report) -> dict:
-    data = report.to_json()
-    data.pop("timings")
+    return _without_measured_error(report.to_json())
+
+
+def _without_measured_error(data: dict) -> dict:
+    """A report less what depends on the reference's own float error, which this process (1 torch thread)
+    and the command's (its default threads) measure a little differently: timings, the numerics measured,
+    the median error quoted in `compared` and each prompt's expected tie count."""
+    data = json.loads(json.dumps(data))
+    for key in ("timings", "numerics"):
+        data.pop(key, None)
+    data["compared"] = re.sub(r"median [0-9.e+-]+ logits", "median _ logits", data["compared"])
+    for row in data.get("rows", []):
+        for key in [k for k in (row.get("tie_budget") or {}) if k != "observed"]:
+            row["tie_budget"].pop(key)
+    data.pop("tie_budget", None)
     return data
 
 
@@ -202,11 +216,12 @@ def test_cli_local_engine_and_url_give_the_same_report(vllm, tmp_path, url_serve
     code, out, err = cli("parity", bundle, "--runtime", "vllm", "--vllm", vllm, "--port", port, "--json")
     assert code == 0, err
     local = json.loads(out)
-    assert local["passed"] and local["runtime"] == "vllm" and "exact" in local["compared"]
+    # fp32: identical, differences judged only as ties against the fp64-measured error of fp32
+    assert local["passed"] and local["runtime"] == "vllm" and "identical (fp32" in local["compared"]
     assert not vllm_processes(port)
     remote = parity(vllm, None, DRAFTER31, url=url_server.url)
     assert_exact_pass(remote)
-    local.pop("timings")
+    local = _without_measured_error(local)
     remote_json = _comparable(remote)
     assert local.pop("runtime_dtype") == {"dtype": "float32", "basis": "set",
                                           "how": "the local engine this run started with --dtype float32"}
