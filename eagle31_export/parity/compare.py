@@ -32,7 +32,7 @@ from eagle31_export.parity.concurrency import (
 from eagle31_export.parity.context import ContextRow
 from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
 from eagle31_export.parity.evidence import inconclusive_reasons
-from eagle31_export.parity.sampling import GreedyDrafts, SamplingCheck, check_sampled
+from eagle31_export.parity.sampling import ALPHA, CORRECTION, GreedyDrafts, SamplingCheck, check_sampled
 from eagle31_export.parity.symptoms import LATER_POSITIONS, POSITION_1  # noqa: F401 (re-exported)
 from eagle31_export.parity.numerics import BUDGET_ALPHA, K, Measured, Measurer, TieBudget, expected_ties, measurer_for
 from eagle31_export.parity.ties import Divergence, divergences
@@ -47,7 +47,9 @@ class Thresholds:
     tau_rel_tol: float = 0.02
     logits_atol: float = 1e-3  # fp32 runtimes: first-step draft logits
     half_precision_logits_atol: float = 5e-2
-    sampling_z: float = 3.0
+    sampling_z: float = 3.0  # the rejection rule's per-position rates (autoregressive, our runtimes)
+    # greedy-drafts: (b)'s family-wise false-alarm rate over all of its tests (parity/sampling.py)
+    sampled_alpha: float = ALPHA
     # Ties: the runtime's choice within tie_k x the error its precision measurably makes at that
     # decision (parity/numerics.py: K, and how it was chosen)
     tie_k: float = K
@@ -147,8 +149,10 @@ class ParityReport:
         if self.sampled is not None:
             return (f"(a) every accepted token equals the reference drafter's greedy draft and every rejection's token "
                     f"differs from it (exact; differences within the drafter's top-2 margin "
-                    f"{self.sampled.tie_gap:g} are ties, listed); (b) drafts accepted per position and tau against the "
-                    f"target's probabilities within {self.sampled.z:g} sigma (statistical); rule {self.sampled.rule}")
+                    f"{self.sampled.tie_gap:g} are ties, listed); (b) the reference's draft accepted or emitted per "
+                    f"position and over all (tau) against the target's probabilities, exact tails, {CORRECTION} over "
+                    f"every test at a family-wise false-alarm rate of {self.sampled.alpha:g} (statistical); rule "
+                    f"{self.sampled.rule}")
         if self.temperature != 0:
             return (f"per-position acceptance rates within {self.thresholds.sampling_z:g} sigma "
                     "(sampling: statistical)")
@@ -569,11 +573,11 @@ def compare_sampled(reference: Speculator, runtime: Speculator, prompts: list[li
         for i, prompt in enumerate(prompts):
             run = runtime.run(prompt, max_new_tokens, depth, sampling, seed + i)
             replays.append(reference.replay_sampled(prompt, run, sampling))
-            one = check_sampled(replays[-1:], depth, gap, thresholds.sampling_z, sampling.rule, first_index=i)
+            one = check_sampled(replays[-1:], depth, gap, thresholds.sampled_alpha, sampling.rule, first_index=i)
             report.rows.append(_sampled_row(prompt, run, one))
             phases("compare", i + 1, len(prompts))
-    report.sampled = check_sampled(replays, depth, gap, thresholds.sampling_z, sampling.rule)
-    if report.sampled.drafter_open and hasattr(reference, "replay"):
+    report.sampled = check_sampled(replays, depth, gap, thresholds.sampled_alpha, sampling.rule)
+    if report.sampled.wants_greedy and hasattr(reference, "replay"):
         report.sampled.greedy = _greedy_drafts(reference, runtime, prompts, depth, max_new_tokens, seed, gap, phases)
     report.failures = report.sampled.failures()
     report.judge_evidence()
@@ -584,18 +588,26 @@ def compare_sampled(reference: Speculator, runtime: Speculator, prompts: list[li
 def _greedy_drafts(reference: Speculator, runtime: Speculator, prompts: list[list[int]], depth: int,
                    max_new_tokens: int, seed: int, gap: float, phases: Phases) -> GreedyDrafts:
     """The runtime run greedy over the same prompts, each replayed: does its drafter draft as the
-    reference's? (Under greedy-drafts its drafts are the argmax whatever the temperature.)"""
-    rounds, ties, untied = 0, 0, []
+    reference's (under greedy-drafts its drafts are the argmax whatever the temperature), and are its
+    target's greedy tokens the reference target's? A round decided by a differing target token is the
+    target's, not the drafter's; a prompt whose rounds cannot be aligned clears nothing."""
+    rounds, ties, untied, tokens, unaligned = 0, 0, [], [], []
     with phases.phase("greedy_drafts", total=len(prompts)):
         for i, prompt in enumerate(prompts):
             run = runtime.run(prompt, max_new_tokens, depth, 0.0, seed + i)
             ref = reference.replay(prompt, run)
             found = divergences(ref, run, Measured.flat(ref, gap), K, run.drafts if runtime.reports_drafts else None)
-            rounds += len(run.accepted_per_step)
-            ties += sum(d.tie for d in found or [])
-            untied += [f"prompt {i}, {d.describe()} ({_untied_symptom(d)})" for d in found or [] if not d.tie]
+            if found is None:
+                unaligned.append(i)
+            else:
+                rounds += len(run.accepted_per_step)
+                ties += sum(d.tie for d in found)
+                differ = [d for d in found if not d.tie]
+                untied += [f"prompt {i}, {d.describe()} ({_untied_symptom(d)})" for d in differ
+                           if d.kind == "round" and not d.decided_by_token]
+                tokens += [f"prompt {i}, {d.describe()}" for d in differ if d.kind == "token"]
             phases("greedy_drafts", i + 1, len(prompts))
-    return GreedyDrafts(len(prompts), rounds, ties, untied)
+    return GreedyDrafts(len(prompts), rounds, ties, untied, tokens, unaligned)
 
 
 def _sampled_row(prompt: list[int], run: SpecResult, check: SamplingCheck) -> PromptRow:

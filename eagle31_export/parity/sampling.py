@@ -4,54 +4,69 @@ Under that rule a round's drafts are the drafter's argmax after the tokens befor
 runtime's own output (its tokens and per-round accepted counts) the reference's drafts are determined
 (reference/replay.py: replay_sampled):
 (a) exact: every accepted token equals the reference's draft at its position, and the token emitted
-    at a rejection differs from it (a rejection is resampled with the draft masked out). A difference
-    where the reference drafter's top-2 margin is within the tie tolerance is a numerical tie: listed,
-    and the rest of that round is not judged (the runtime drafted another token from there).
-(b) statistical: draft d_i of a round was accepted with probability p_i = p_target(d_i) on its prefix.
-    Summed over the rounds reaching a draft position, the accepted count has expectation sum(p_i) and
-    variance sum(p_i (1 - p_i)) (each term given the rounds before: a martingale, so the z-score holds
-    without independence); each position and the total (tau) are held to it at `z` sigma.
+    at a rejection differs from it (a rejection is resampled with the draft masked out). A position
+    whose reference drafter's top-2 margin is within the tie gap is a numerical tie, decided from the
+    reference's margin before the outcome is read: a difference there is listed, never failed, and the
+    rest of that round is not judged by (a) (the runtime may have drafted the other candidate).
+(b) statistical: a round that reached draft position i along the reference's drafts d_1 .. d_{i-1}
+    COMMITS the reference's d_i there (accepts it, or emits it at a rejection) with probability exactly
+    p_i = p_target(d_i) on its prefix, whatever the runtime drafted: a runtime that drafted d accepts it
+    with p(d) and never emits it; one that drafted d' != d never accepts d and, rejecting d', emits d with
+    probability (1 - p(d')) p(d) / (1 - p(d')) = p(d). So that count needs no tie excluded, and a tie
+    that flipped the runtime's draft moves nothing. Which rounds count is decided before their outcome
+    (the rounds before, the tokens the run holds), and each p_i is the target's on the round's own
+    prefix, known before its outcome.
 
-Which side is at fault, per draft position, with a correct sampler and ANY drafter:
-- a round whose runtime drafted d (ours) accepts it with probability p(d) and never emits it at a
-  rejection; one that drafted another d' never accepts d and, rejecting d', emits d with probability
-  (1 - p(d')) p(d) / (1 - p(d')) = p(d). So "d accepted, or a rejection that emitted d" happens with
-  probability exactly p(d) in every round: that count beyond sum(p) at `z` sigma, either way, is the
-  sampler's fault whatever the runtime drafted (`low`, `high`);
-- a rejection emits d with probability <= p(d) / (1 - max over x != d of p(x)) (0 if it drafted d):
-  far more such rejections than those bounds allow (a Chernoff bound) is the sampler emitting its
-  drafts (`emits`);
-- an accepted token that is not d is the drafter's (its symptom by position);
+The tests of (b), one family at a family-wise false-alarm rate ALPHA (Holm's step-down over every test
+that runs; parity/tails.py):
+- per draft position reached in at least MIN_REACHED rounds, the count of rounds committing the
+  reference's draft, split by whether the target ranks that draft first (p(d) >= every other p, read
+  from the reference before the outcome; a sampler that sharpens or flattens p moves the two the
+  opposite ways, and a single count would let them cancel), each against the exact Poisson-binomial
+  law of its p_i, two-sided;
+- all positions together (tau), the same way;
+- per draft position, rejections emitting the reference's draft: event j happens with probability at
+  most p(d) / (1 - max over x != d of p(x)), however the runtime drafted; their count against a
+  Chernoff bound over a fixed lambda grid with a union bound (`exceedance_p`). A position reached in
+  fewer rounds than MIN_REACHED is not tested for its count: it makes a PASS inconclusive, never a FAIL.
+
+Which side is at fault:
+- an accepted token that is not the reference's draft is the drafter's (its symptom by position);
 - a rejection that emitted d is the drafter's (it drafted another token) or the sampler's (it did not
   mask its draft). One run under sampling cannot always tell which, so the runtime is then run greedy
   over the same prompts and replayed (`GreedyDrafts`): under this rule drafts are the drafter's argmax
   whatever the temperature, so a greedy run with every round as the reference's (ties aside) clears
-  the drafter and leaves those rejections to the sampler; one that differs names the drafter. Without
-  that run, they are the drafter's where no position shows the sampler wrong (a sampler that emits
-  drafts somewhere may emit them anywhere: then they tell nothing of the drafter);
-- with none of these, (b) on the accepted count alone, both ways, is the sampler's ("its rejection
-  sampler or its sampling parameters").
+  the drafter and leaves those rejections to the sampler; one whose drafts differ names the drafter.
+  Without that run, they are the drafter's where (b) does not show the sampler wrong;
+- a failing (b) test is the engine's sampling: its rejection sampler, its sampling parameters, or its
+  target's probabilities (a target with the same greedy tokens may still differ in probability). The
+  greedy run (made for a failing (b) too) says which of the last it can: target tokens that differ from
+  the reference target's are the target's fault (`at_fault` "target"), and (b) is then not laid on the
+  sampler; tokens that agree leave all three named.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 from eagle31_export.parity.symptoms import position_symptom
+from eagle31_export.parity.tails import exceedance_p, holm, two_sided_p
 from eagle31_export.reference.replay import SampledRound
 
 Z_95 = 1.959964  # two-sided 95 %
 Z_80_POWER = 0.841621  # one-sided 80 %
-EMITTED_DRAFT_ALPHA = 1e-3  # below this, no drafter with a correct sampler explains the drafts emitted at rejections
-MIN_REACHED = 10  # rounds reaching a draft position before (b) can say anything of its rate
+ALPHA = 1e-3  # family-wise: a correct engine fails (b) at most this often over all of its tests together
+CORRECTION = "Holm"
+MIN_REACHED = 10  # rounds reaching a draft position before (b) tests its count
 TAU_CHANGE = 0.1  # the change in tau the report says how many prompts (b) needs to see
-ENGINE_FEWER = ("the engine accepts fewer drafts than its target's probabilities allow: its rejection sampler or "
-                "its sampling parameters")
+CAUSES = "its rejection sampler, its sampling parameters (temperature, top-p, top-k as it applies them) or its " \
+         "target's probabilities"
+ENGINE_FEWER = f"the engine accepts fewer drafts than its target's probabilities allow: {CAUSES}"
 ENGINE_EMITS = ("the engine emits drafts at rejections (a rejection resamples with its draft masked out): its "
                 "rejection sampler, not the drafter")
-ENGINE_MORE = ("the engine accepts more drafts than its target's probabilities allow: its rejection sampler or its "
-               "sampling parameters")
+ENGINE_MORE = f"the engine accepts more drafts than its target's probabilities allow: {CAUSES}"
 
 
 @dataclass
@@ -71,9 +86,9 @@ class PromptDrafts:
 
 @dataclass
 class PositionLaw:
-    """(b) at one draft position: how often it was reached and accepted, against the expectation; and
-    the rejections there that emitted the reference's draft (`matched`), with the most a correct
-    sampler lets them be (`match_bound`, summed over every rejection)."""
+    """(b) at one draft position: the rounds that reached it along the reference's drafts, what they
+    committed there, against the target's probabilities; and the rejections there that emitted the
+    reference's draft (`matched`), with the most a correct sampler lets them be (`match_bound`)."""
 
     position: int
     reached: int = 0
@@ -82,64 +97,132 @@ class PositionLaw:
     variance: float = 0.0
     matched: int = 0
     match_bound: float = 0.0
-    accepted_other: int = 0  # accepted tokens that are not the reference's draft (the drafter's, by (a))
+    accepted_other: int = 0  # accepted tokens that are not the reference's draft (the drafter's, or a tie)
+    ties: int = 0  # rounds reaching it whose drafter top-2 margin is within the tie gap (outcome not read)
+    # per round reaching it: p(d), whether it committed d, whether the target ranks d first
+    p_drafts: list[float] = field(default_factory=list, repr=False)
+    hits: list[bool] = field(default_factory=list, repr=False)
+    ranked_first: list[bool] = field(default_factory=list, repr=False)
+    emit_bounds: list[float] = field(default_factory=list, repr=False)  # per rejection here
+
+    def add(self, p: float, rival: float | None, committed_draft: bool, accepted: bool, tie: bool) -> None:
+        """One round that reached this position along the reference's drafts."""
+        self.reached += 1
+        self.accepted += accepted
+        self.expected += p
+        self.variance += p * (1 - p)
+        self.accepted_other += accepted and not committed_draft
+        self.ties += tie
+        self.p_drafts.append(p)
+        self.hits.append(committed_draft)
+        self.ranked_first.append(rival is None or p >= rival)
+        if not accepted:  # the rejection: how likely a correct sampler emits d here, at most
+            bound = _emit_bound(p, rival)
+            self.match_bound += bound
+            self.emit_bounds.append(bound)
+            self.matched += committed_draft
 
     @property
     def z(self) -> float | None:
+        """The accepted count's z-score against the target's probabilities (shown, not tested)."""
         return (self.accepted - self.expected) / math.sqrt(self.variance) if self.variance > 0 else None
 
     @property
     def drafted_or_emitted(self) -> int:
         """Rounds here that accepted the reference's draft d or emitted d at a rejection: each one's
         probability is exactly p(d) with a correct sampler, whatever the runtime drafted."""
-        return self.accepted - self.accepted_other + self.matched
+        return sum(self.hits)
 
     @property
     def z_either(self) -> float | None:
-        """z of `drafted_or_emitted` against sum(p): 0 in expectation whatever was drafted."""
+        """z of `drafted_or_emitted` against sum(p): 0 in expectation whatever was drafted (shown; the
+        test is exact, `strata`)."""
         return ((self.drafted_or_emitted - self.expected) / math.sqrt(self.variance)
                 if self.variance > 0 else None)
 
     @property
     def emits_tail(self) -> float:
-        """Chernoff bound on P(at least `matched` such rejections) with a correct sampler and any drafter."""
-        m, mu = self.matched, self.match_bound
-        if m == 0 or m <= mu:
-            return 1.0
-        if mu <= 0:
-            return 0.0
-        return math.exp(m - mu + m * math.log(mu / m))
+        """A bound on P(at least `matched` such rejections) with a correct sampler and any drafter."""
+        return exceedance_p(self.matched, self.emit_bounds)
+
+    def strata(self) -> list[tuple[str, int, list[float]]]:
+        """(which rounds, how many committed the reference's draft, their p) for the rounds whose draft
+        the target ranks first and for the others."""
+        out = []
+        for first, name in ((True, "where the target ranks it first"), (False, "where the target ranks another "
+                                                                                 "token first")):
+            rows = [(p, hit) for p, hit, f in zip(self.p_drafts, self.hits, self.ranked_first) if f == first]
+            if rows:
+                out.append((name, sum(hit for _, hit in rows), [p for p, _ in rows]))
+        return out
 
     def interval(self) -> tuple[float, float]:
-        """The 95 % interval of the accepted count under the target's probabilities."""
+        """The 95 % interval of the accepted count under the target's probabilities (normal, shown)."""
         half = Z_95 * math.sqrt(self.variance)
         return self.expected - half, self.expected + half
 
     def to_json(self) -> dict:
         low, high = self.interval()
-        return {**asdict(self), "z": self.z, "drafted_or_emitted": self.drafted_or_emitted,
-                "z_drafted_or_emitted": self.z_either, "emits_tail": self.emits_tail,
-                "interval_95": [low, high]}
+        return {"position": self.position, "reached": self.reached, "accepted": self.accepted,
+                "expected": self.expected, "variance": self.variance, "matched": self.matched,
+                "match_bound": self.match_bound, "accepted_other": self.accepted_other, "ties": self.ties,
+                "z": self.z, "drafted_or_emitted": self.drafted_or_emitted, "z_drafted_or_emitted": self.z_either,
+                "emits_tail": self.emits_tail, "interval_95": [low, high]}
+
+
+@dataclass
+class LawTest:
+    """One test of (b): where, what was counted against what, its p-value, and whether Holm rejects it."""
+
+    kind: str  # "committed" (the reference's draft committed, two-sided), "tau", "emits" (one-sided)
+    position: int | None  # None: every position (tau)
+    rounds: str  # which rounds, in words
+    observed: int
+    expected: float  # sum of p (committed, tau), or the most a correct sampler allows (emits)
+    reached: int
+    p_value: float
+    rejected: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 @dataclass
 class GreedyDrafts:
     """The runtime run greedy over the same prompts and replayed: whether its drafter drafts as the
-    reference's (every round's accepted count and token equal, ties aside)."""
+    reference's (every round's drafts, ties aside), and whether its target's greedy tokens are the
+    reference target's."""
 
     prompts: int
     rounds: int
     ties: int
-    untied: list[str]  # differences beyond the tie tolerance, each with its symptom
+    untied: list[str]  # the drafter's differences beyond the tie tolerance, each with its symptom
+    target_tokens: list[str] = field(default_factory=list)  # target tokens that differ beyond a tie
+    unaligned: list[int] = field(default_factory=list)  # prompts whose rounds could not be compared
 
     @property
     def exact(self) -> bool:
-        return self.rounds > 0 and not self.untied
+        """The drafter drafts as the reference's in every round compared, and every prompt was compared."""
+        return self.rounds > 0 and not self.untied and not self.unaligned
 
     def describe(self) -> str:
-        return (f"run greedy over the same {self.prompts} prompts, its {self.rounds} rounds "
-                + ("are the reference's" + (f" ({self.ties} ties)" if self.ties else "") if self.exact else
-                   f"differ from the reference's in {len(self.untied)} places"))
+        said = f"run greedy over the same {self.prompts} prompts, its {self.rounds} rounds "
+        if self.unaligned:
+            return said + (f"could not be compared with the reference's on prompt(s) "
+                           f"{', '.join(map(str, self.unaligned))}, so the drafter is not cleared")
+        if self.untied:
+            return said + f"differ from the reference's in {len(self.untied)} places"
+        return said + "are the reference's" + (f" ({self.ties} ties)" if self.ties else "")
+
+    def target_finding(self) -> str:
+        """What the greedy run says of the target's tokens, for a failing (b)."""
+        if self.target_tokens:
+            return (f"run greedy, its target's tokens differ from the reference target's in {len(self.target_tokens)} "
+                    f"places (first: {self.target_tokens[0]}): its target's probabilities differ")
+        if self.unaligned or not self.rounds:
+            return "the greedy run could not compare the target's tokens"
+        return (f"run greedy over the same {self.prompts} prompts, its target's tokens are the reference target's "
+                f"({self.rounds} rounds): the same argmax, which leaves its probabilities free to differ")
 
 
 @dataclass
@@ -148,17 +231,23 @@ class SamplingCheck:
 
     rule: str
     tie_gap: float
-    z: float
+    alpha: float
     prompts: list[PromptDrafts]
     positions: list[PositionLaw]
     rounds: int
-    greedy: GreedyDrafts | None = None  # the drafter checked greedy, where the sampled run left it open
+    greedy: GreedyDrafts | None = None  # the runtime checked greedy, where the sampled run left it open
 
     @property
     def drafter_open(self) -> bool:
         """The sampled run alone cannot clear or name the drafter: rejections emitted the reference's
         draft (another draft, or a sampler that did not mask it) and no accepted token names it."""
         return bool(self.emitted_drafts) and not any(p.mismatch for p in self.prompts)
+
+    @property
+    def wants_greedy(self) -> bool:
+        """A greedy run over the same prompts would settle something: the drafter where the sampled run
+        left it open, or the target's tokens where (b) fails."""
+        return self.drafter_open or self.sampler_wrong
 
     @property
     def drafts_exact(self) -> bool:
@@ -177,26 +266,41 @@ class SamplingCheck:
     def emitted_drafts(self) -> list[list]:
         return [e for p in self.prompts for e in p.emitted_drafts]
 
-    def _sampler_positions(self) -> tuple[list[PositionLaw], list[PositionLaw], list[PositionLaw]]:
-        """Positions showing the sampler wrong whatever the runtime drafted: (the reference's draft
-        accepted or emitted far less often than p(d) allows, far more often, rejections emitting it more
-        often than a correct sampler can)."""
-        low = [law for law in self.positions if law.z_either is not None and law.z_either < -self.z]
-        high = [law for law in self.positions if law.z_either is not None and law.z_either > self.z]
-        emits = [law for law in self.positions if law.emits_tail < EMITTED_DRAFT_ALPHA]
-        return low, high, emits
+    @cached_property
+    def law_tests(self) -> list[LawTest]:
+        """Every test of (b) that runs, each with its p-value and Holm's decision at `alpha`."""
+        found = []
+        for law in self.positions:
+            if law.reached >= MIN_REACHED:
+                found += [LawTest("committed", law.position, name, hits, sum(ps), len(ps), two_sided_p(hits, ps))
+                          for name, hits, ps in law.strata()]
+            if law.emit_bounds:
+                found.append(LawTest("emits", law.position, "rejections", law.matched, law.match_bound,
+                                     len(law.emit_bounds), law.emits_tail))
+        ps = [p for law in self.positions for p in law.p_drafts]
+        if len(ps) >= MIN_REACHED:
+            hits = sum(law.drafted_or_emitted for law in self.positions)
+            found.append(LawTest("tau", None, "every position", hits, sum(ps), len(ps), two_sided_p(hits, ps)))
+        for test, rejected in zip(found, holm([t.p_value for t in found], self.alpha)):
+            test.rejected = rejected
+        return found
 
     @property
     def sampler_wrong(self) -> bool:
-        """Some draft position shows the sampler wrong whatever the runtime drafted."""
-        return any(self._sampler_positions())
+        """(b) fails: some test shows the engine's sampling wrong whatever the runtime drafted."""
+        return any(t.rejected for t in self.law_tests)
+
+    @property
+    def target_differs(self) -> bool:
+        return self.greedy is not None and bool(self.greedy.target_tokens)
 
     @property
     def at_fault(self) -> str | None:
-        """Which side the failures name: "drafter", "sampler" (the runtime's sampling), "both", or None."""
-        drafter = bool(self._drafter_failures())
-        sampler = bool(self._sampler_failures())
-        return {(True, True): "both", (True, False): "drafter", (False, True): "sampler"}.get((drafter, sampler))
+        """Which sides the failures name, from what differed: "drafter" (drafts), "target" (the greedy
+        run's target tokens), "sampler" (the engine's sampling, (b)); several joined by " and "; None."""
+        sides = [side for side, found in (("drafter", self._drafter_failures()), ("target", self.target_differs),
+                                          ("sampler", self._sampler_failures(names_sampler=True))) if found]
+        return " and ".join(sides) or None
 
     @property
     def accepted(self) -> int:
@@ -212,7 +316,7 @@ class SamplingCheck:
 
     @property
     def tau(self) -> tuple[float, float, float]:
-        """(observed, expected, 95 % half-width) over the judged positions of every round."""
+        """(observed, expected, 95 % half-width) over the positions reached along the reference's drafts."""
         n = max(self.rounds, 1)
         return 1 + self.accepted / n, 1 + self.expected / n, Z_95 * math.sqrt(self.variance) / n
 
@@ -220,61 +324,85 @@ class SamplingCheck:
     def tau_z(self) -> float | None:
         return (self.accepted - self.expected) / math.sqrt(self.variance) if self.variance > 0 else None
 
-    def prompts_to_see(self, change: float = TAU_CHANGE) -> int | None:
-        """Prompts like these (rounds per prompt as here) for a two-sided 95 % test of tau to flag a shift
-        of `change` with 80 % power, from the per-round variance measured here."""
+    def prompts_to_see(self, change: float = TAU_CHANGE, z_test: float = Z_95, z_power: float = Z_80_POWER
+                       ) -> int | None:
+        """Prompts like these (rounds per prompt as here) for a two-sided test of tau at `z_test` to flag
+        a shift of `change` with the power `z_power` gives (default: 95 % confidence, 80 % power), from
+        the variance per round measured here: rounds = ((z_test + z_power) / change)^2 x variance / rounds."""
         if not self.rounds or not self.variance or not self.prompts:
             return None
-        rounds = ((Z_95 + Z_80_POWER) / change) ** 2 * self.variance / self.rounds
+        rounds = ((z_test + z_power) / change) ** 2 * self.variance / self.rounds
         return math.ceil(rounds / (self.rounds / len(self.prompts)))
 
     def failures(self) -> list[str]:
-        """The drafter's failures (a), then the sampler's."""
-        return self._drafter_failures() + self._sampler_failures()
+        """The drafter's failures (a), the target's (greedy), then the engine's sampling (b)."""
+        target = ([f"the target: {self.greedy.target_finding()} (target weights or numerics)"]
+                  if self.target_differs else [])
+        return self._drafter_failures() + target + self._sampler_failures()
 
     def _drafter_failures(self) -> list[str]:
         out = [f"prompt {p.prompt_index}: {p.mismatch} ({p.symptom})" for p in self.prompts if p.mismatch]
         if self.greedy is not None and self.greedy.untied:
             out += [f"{self.greedy.describe()}: {self.greedy.untied[0]}"]
-        elif self.greedy is not None or self.sampler_wrong:
+        elif (self.greedy is not None and self.greedy.exact) or self.sampler_wrong:
             return out  # drafts emitted at rejections are the sampler's (greedy cleared the drafter) or tell nothing
-        for law in self.positions:
-            if law.matched:
-                first = next(p for p in self.prompts for e in p.emitted_drafts if e[1] == law.position)
-                at = next(e[0] for e in first.emitted_drafts if e[1] == law.position)
-                out.append(f"draft position {law.position}: {law.matched} rejections emitted the reference's own "
-                           f"draft (first: prompt {first.prompt_index}, round {at}), which a rejection masks out: "
-                           f"the runtime drafted another token ({position_symptom(law.position)})")
+        for position, emitted in self._emitted_by_position().items():
+            prompt, at = emitted[0]
+            out.append(f"draft position {position}: {len(emitted)} rejections emitted the reference's own "
+                       f"draft (first: prompt {prompt}, round {at}), which a rejection masks out: "
+                       f"the runtime drafted another token ({position_symptom(position)})"
+                       + (f"; {self.greedy.describe()}" if self.greedy is not None else ""))
         return out
 
-    def _sampler_failures(self) -> list[str]:
-        low, high, emits = self._sampler_positions()
-        out = [f"draft position {law.position}: {law.matched} of {law.reached - law.accepted} rejections emitted the "
-               f"reference's draft, at most {law.match_bound:.1f} expected with a correct sampler whatever was "
-               f"drafted (P <= {law.emits_tail:.1g}): {ENGINE_EMITS}" for law in emits]
-        out += [f"draft position {law.position}: {law.drafted_or_emitted} of {law.reached} rounds accepted the "
-                f"reference's draft or emitted it at a rejection, {law.expected:.1f} expected whatever was drafted "
-                f"(z = {law.z_either:+.1f}): {ENGINE_FEWER if law.z_either < 0 else ENGINE_MORE}"
-                for law in sorted(low + high, key=lambda law: law.position)]
+    def _emitted_by_position(self) -> dict[int, list[tuple[int, int]]]:
+        """(a)'s rejections that emitted the reference's draft beyond a tie: position -> [(prompt, round)]."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for prompt in self.prompts:
+            for at, position in prompt.emitted_drafts:
+                out.setdefault(position, []).append((prompt.prompt_index, at))
+        return dict(sorted(out.items()))
+
+    def _sampler_failures(self, names_sampler: bool = False) -> list[str]:
+        """(b)'s failures in words; `names_sampler`: only those that name the sampler (not those a target
+        shown different by the greedy run explains)."""
+        out = []
+        if not (names_sampler and self.target_differs):
+            failed = [t for t in self.law_tests if t.rejected]
+            out += [self._law_failure(t, len(self.law_tests))
+                    for t in sorted(failed, key=lambda t: (t.position or math.inf, t.kind))]
         if self.greedy is not None and self.greedy.exact:
-            out += [f"draft position {law.position}: {law.matched} rejections emitted the reference's own draft, "
+            shown = {t.position for t in self.law_tests if t.rejected and t.kind == "emits"}
+            out += [f"draft position {position}: {len(emitted)} rejections emitted the reference's own draft, "
                     f"which a rejection masks out, and the engine's drafter drafts as the reference's "
                     f"({self.greedy.describe()}): {ENGINE_EMITS}"
-                    for law in self.positions if law.matched and law not in emits]
-        if out or any(p.mismatch for p in self.prompts) or self.emitted_drafts:
-            return out  # the law of the accepted count alone holds only where every draft was ours
-        out = [self._law_failure(f"draft position {law.position}", law.accepted, law.expected, law.z, law.reached)
-               for law in self.positions if law.z is not None and abs(law.z) > self.z]
-        tau_z = self.tau_z
-        if tau_z is not None and abs(tau_z) > self.z:
-            observed, expected, _ = self.tau
-            out.append(f"tau {observed:.3f} vs {expected:.3f} expected from the target's probabilities "
-                       f"(z = {tau_z:+.1f}): {ENGINE_FEWER if tau_z < 0 else ENGINE_MORE}")
+                    for position, emitted in self._emitted_by_position().items() if position not in shown]
         return out
 
-    def _law_failure(self, where: str, accepted: int, expected: float, z: float, reached: int) -> str:
-        return (f"{where}: {accepted} of {reached} drafts accepted, {expected:.1f} expected from the target's "
-                f"probabilities (z = {z:+.1f}, beyond {self.z:g} sigma): {ENGINE_FEWER if z < 0 else ENGINE_MORE}")
+    def _law_failure(self, t: LawTest, tests: int) -> str:
+        held = f"P = {t.p_value:.2g}; Holm over {tests} tests at a family-wise {self.alpha:g}"
+        if t.kind == "emits":
+            return (f"draft position {t.position}: {t.observed} of {t.reached} rejections emitted the reference's "
+                    f"draft, at most {t.expected:.1f} expected with a correct sampler whatever was drafted "
+                    f"(P <= {t.p_value:.1g}; Holm over {tests} tests at a family-wise {self.alpha:g}): "
+                    f"{ENGINE_EMITS}{self._target_note(target_only=True)}")
+        side = ENGINE_FEWER if t.observed < t.expected else ENGINE_MORE
+        if t.kind == "tau":
+            observed, expected, _ = self.tau
+            return (f"tau: over every draft position, {t.observed} of {t.reached} rounds reaching one accepted "
+                    f"the reference's draft or emitted it at a rejection, {t.expected:.1f} expected from the target's "
+                    f"probabilities whatever was drafted (tau {observed:.3f} vs {expected:.3f}; {held}): {side}"
+                    f"{self._target_note()}")
+        return (f"draft position {t.position}: {t.observed} of {t.reached} rounds {t.rounds} accepted the "
+                f"reference's draft or emitted it at a rejection, {t.expected:.1f} expected whatever was drafted "
+                f"({held}): {side}{self._target_note()}")
+
+    def _target_note(self, target_only: bool = False) -> str:
+        """What the greedy run found of the target's tokens, said with every failing (b)."""
+        if self.greedy is None:
+            return "" if target_only else "; the target's greedy tokens were not checked"
+        if target_only and not self.greedy.target_tokens:
+            return ""
+        return f"; {self.greedy.target_finding()}"
 
     def inconclusive_reasons(self) -> list[str]:
         """Why a PASS would show little: no round, or draft positions reached too rarely for (b)."""
@@ -284,78 +412,78 @@ class SamplingCheck:
         if not thin:
             return []
         shown = ", ".join(f"position {p}: {n}" for p, n in thin)
-        return [f"too few rounds reached draft positions for (b) to tell their acceptance ({shown} of {self.rounds} "
+        return [f"too few rounds reached draft positions for (b) to test their acceptance ({shown} of {self.rounds} "
                 f"rounds; at least {MIN_REACHED} each): longer prompts or --max-new-tokens; PASS is inconclusive there"]
 
     def to_json(self) -> dict:
         observed, expected, half = self.tau
-        return {"rule": self.rule, "tie_gap": self.tie_gap, "z": self.z, "rounds": self.rounds,
-                "drafts_exact": self.drafts_exact, "at_fault": self.at_fault,
+        return {"rule": self.rule, "tie_gap": self.tie_gap, "alpha": self.alpha, "correction": CORRECTION,
+                "rounds": self.rounds, "drafts_exact": self.drafts_exact, "at_fault": self.at_fault,
                 "emitted_drafts": len(self.emitted_drafts),
                 "accepted_checked": self.accepted_checked, "rejections_checked": self.rejections_checked,
                 "ties": sum(len(p.ties) for p in self.prompts),
                 "tau": {"observed": observed, "expected": expected, "half_width_95": half, "z": self.tau_z},
                 "positions": [law.to_json() for law in self.positions],
+                "tests": [t.to_json() for t in self.law_tests],
                 "prompts_to_see_tau_change": {"change": TAU_CHANGE, "prompts": self.prompts_to_see()},
                 "prompts": [asdict(p) for p in self.prompts],
                 "greedy": None if self.greedy is None else {**asdict(self.greedy), "exact": self.greedy.exact}}
 
 
-def check_sampled(replays: list[list[SampledRound]], depth: int, tie_gap: float, z: float,
+def check_sampled(replays: list[list[SampledRound]], depth: int, tie_gap: float, alpha: float = ALPHA,
                   rule: str = "greedy-drafts", first_index: int = 0) -> SamplingCheck:
     """(a) and (b) over every prompt's replayed rounds (`replays[i]`: prompt first_index + i's)."""
     positions = [PositionLaw(i + 1) for i in range(depth)]
     prompts = [_check_prompt(first_index + i, rounds, tie_gap, positions) for i, rounds in enumerate(replays)]
-    return SamplingCheck(rule, tie_gap, z, prompts, positions, sum(len(r) for r in replays))
+    return SamplingCheck(rule, tie_gap, alpha, prompts, positions, sum(len(r) for r in replays))
 
 
 def _check_prompt(index: int, rounds: list[SampledRound], tie_gap: float, positions: list[PositionLaw]
                   ) -> PromptDrafts:
     found = PromptDrafts(index, rounds=len(rounds))
     for r in rounds:
-        judged, matched, other = _judge_round(r, tie_gap, found)
-        for i in range(judged):
-            p = r.p_drafts[i]
-            if p is None:
-                break  # past the drafts the run's sequence holds (a differing accepted token, the end)
-            law = positions[i]
-            law.reached += 1
-            law.accepted += int(r.accepted > i)
-            law.expected += p
-            law.variance += p * (1 - p)
-            law.accepted_other += int(other == i)
-            if r.accepted == i:  # the rejection: how likely a correct sampler emits d here, at most
-                law.match_bound += _emit_bound(p, r.p_rivals[i])
-                law.matched += int(matched)
+        tied = [m <= tie_gap for m in r.margins]  # from the reference's numbers, before any outcome is read
+        _judge_round(r, tied, found)
+        _count_round(r, tied, positions)
     return found
 
 
-def _judge_round(r: SampledRound, tie_gap: float, found: PromptDrafts) -> tuple[int, bool, int | None]:
-    """(a) on one round: (how many of its draft positions to judge by (b), whether its rejection emitted
-    the reference's draft, the position (0-based) of an accepted token that is not it). Records ties, drafts emitted at a rejection and the first accepted token
-    that is not the reference's draft in `found`."""
+def _count_round(r: SampledRound, tied: list[bool], positions: list[PositionLaw]) -> None:
+    """(b): each position this round reached along the reference's drafts, with the token it committed
+    there (the run's own tokens; a last round cut by max_new_tokens stops where they stop)."""
+    for i, p in enumerate(r.p_drafts[: len(positions)]):
+        if p is None or i >= len(r.committed):
+            return
+        committed_draft, accepted = r.committed[i] == r.drafts[i], i < r.accepted
+        positions[i].add(p, r.p_rivals[i], committed_draft, accepted, i < len(tied) and tied[i])
+        if not (accepted and committed_draft):
+            return  # a rejection ends the round; an accepted other token leaves the reference's drafts
+
+
+def _judge_round(r: SampledRound, tied: list[bool], found: PromptDrafts) -> None:
+    """(a) on one round: records ties, drafts emitted at a rejection and the first accepted token that is
+    not the reference's draft in `found`."""
     for i, token in enumerate(r.committed[: len(r.drafts)]):
         draft, accepted = r.drafts[i], i < r.accepted
         if accepted == (token == draft):
             if not accepted:
                 found.rejections_checked += 1
-                return i + 1, False, None
+                return
             found.accepted_checked += 1
             continue
         what = (f"round {r.index}, draft position {i + 1}: " +
                 (f"accepted token {token} is not the reference's draft {draft}" if accepted else
                  f"the token emitted at a rejection is the reference's draft {draft}"))
-        if r.margins[i] <= tie_gap:
+        if i < len(tied) and tied[i]:
             found.ties.append(f"{what}, within the drafter's top-2 margin {r.margins[i]:.3g}")
-            return i, False, None  # the runtime's draft here is the other candidate: this position is not judged
+            return  # the runtime's draft here may be the other candidate: the rest of the round is not judged
         if not accepted:
             found.rejections_checked += 1
             found.emitted_drafts.append([r.index, i + 1])
-            return i + 1, True, None
+            return
         if found.mismatch is None:
             found.mismatch, found.symptom = what, position_symptom(i + 1)
-        return i + 1, False, i  # its own draft was accepted here; later positions left the reference's drafts
-    return min(r.accepted + 1, len(r.drafts)), False, None
+        return  # its own draft was accepted here; later positions left the reference's drafts
 
 
 def _emit_bound(p: float, rival: float | None) -> float:
