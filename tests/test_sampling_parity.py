@@ -74,18 +74,17 @@ def _round(index, accepted, committed, drafts, p, rival=0.5, margins=(1.0, 1.0, 
 
 def test_check_tells_the_drafter_from_the_sampler():
     # an accepted token that is not the reference's draft: the drafter, by position
-    bad = check_sampled([[_round(0, 2, [5, 9, 3], [5, 6, 7], [0.5, 0.5, 0.5])]], 3, 1e-4, 3.0)
+    bad = check_sampled([[_round(0, 2, [5, 9, 3], [5, 6, 7], [0.5, 0.5, 0.5])]], 3, 1e-4)
     assert not bad.drafts_exact and bad.at_fault == "drafter" and LATER_POSITIONS in bad.failures()[0]
     # the same within the drafter's top-2 margin: a tie, listed, never a failure
-    tie = check_sampled([[_round(0, 2, [5, 9, 3], [5, 6, 7], [0.5, 0.5, 0.5], margins=(1, 1e-6, 1))]], 3, 1e-4,
-                        3.0)
+    tie = check_sampled([[_round(0, 2, [5, 9, 3], [5, 6, 7], [0.5, 0.5, 0.5], margins=(1, 1e-6, 1))]], 3, 1e-4)
     assert tie.failures() == [] and len(tie.prompts[0].ties) == 1
     # rejections emitting the reference's draft where the target gave it 1 % (bound 0.02 each): the sampler
     rounds = [_round(i, 0, [4], [4, 6, 7], [0.01, None, None]) for i in range(3)]
-    emits = check_sampled([rounds], 3, 1e-4, 3.0)
+    emits = check_sampled([rounds], 3, 1e-4)
     assert emits.at_fault == "sampler" and ENGINE_EMITS in emits.failures()[0]
     # once, at a likely draft: a drafter drafting otherwise explains it
-    once = check_sampled([[_round(0, 0, [4], [4, 6, 7], [0.4, None, None], rival=0.3)]], 3, 1e-4, 3.0)
+    once = check_sampled([[_round(0, 0, [4], [4, 6, 7], [0.4, None, None], rival=0.3)]], 3, 1e-4)
     assert once.drafter_open and once.at_fault == "drafter" and POSITION_1 in once.failures()[0]
     # ... unless the runtime run greedy drafts as the reference: then its sampler did not mask the draft
     once.greedy = GreedyDrafts(prompts=1, rounds=12, ties=0, untied=[])
@@ -96,8 +95,7 @@ def test_check_tells_the_drafter_from_the_sampler():
     assert once.at_fault == "drafter" and "differ from the reference's in 1 places" in once.failures()[0]
     # the reference's draft accepted or emitted far more often than p(d) allows (20 of 20 rounds at p 0.3:
     # 6 expected, sd 2.05) while each rejection's emit stays within its bound (0.3 / 0.4): the sampler
-    often = check_sampled([[_round(i, 0, [4], [4, 6, 7], [0.3, None, None], rival=0.6) for i in range(20)]], 3,
-                          1e-4, 3.0)
+    often = check_sampled([[_round(i, 0, [4], [4, 6, 7], [0.3, None, None], rival=0.6) for i in range(20)]], 3, 1e-4)
     law = often.positions[0]
     assert law.drafted_or_emitted == 20 and law.emits_tail > 1e-3 and law.z_either == pytest.approx(14 / 4.2 ** 0.5)
     assert often.at_fault == "sampler" and ENGINE_MORE in often.failures()[0], often.failures()
@@ -131,7 +129,13 @@ def test_onnxruntime_under_the_engine_rule_passes_both_checks(sides, temperature
 
 
 def test_a_sampler_accepting_with_p_squared_fails_b_and_is_named(sides, monkeypatch):
+    """(b) fails; the greedy run made for it finds the target's tokens the reference target's, which the
+    failure says beside every cause it leaves (sampler, sampling parameters, target's probabilities)."""
+    greedy = _Sampler.verify
+
     def verify(self, target_logits, drafts, q):
+        if self.temperature == 0:
+            return greedy(self, target_logits, drafts, q)
         for i, d in enumerate(drafts):
             p = self.probs(target_logits[i])
             if float(torch.rand((), generator=self.gen, dtype=torch.float64)) < float(p[d]) ** 2:
@@ -145,6 +149,8 @@ def test_a_sampler_accepting_with_p_squared_fails_b_and_is_named(sides, monkeypa
     report = _sampled(*sides, 0.7)
     assert report.verdict == "FAIL" and report.sampled.drafts_exact and report.sampled.at_fault == "sampler"
     assert report.failures and all(ENGINE_FEWER in f for f in report.failures), report.failures
+    assert report.sampled.greedy is not None and not report.sampled.greedy.target_tokens
+    assert all("its target's tokens are the reference target's" in f for f in report.failures), report.failures
 
 
 def test_a_sampler_emitting_its_drafts_is_named_once_greedy_clears_the_drafter(sides, monkeypatch):
