@@ -51,9 +51,9 @@ class Case:
     after_accept: float = 1.3  # the next position's sharpness after an accepted draft, relative
 
 
-# the tiny pair measured (8 held-out prompts x 32 tokens, depth 3; EAGLE 3.1 and EAGLE-3, top-p 1 and 0.95):
-# mean p(d) at position 1 0.26-0.30 and E[p (1 - p)] 0.13 at T 0.7, 0.15-0.18 and 0.09-0.10 at T 1.0;
-# TINY_07 and TINY_10 are set near those (`describe_p` prints what a case gives)
+# the tiny pair's mean p(d) at draft position 1 (benchmarks/sampling_calibration.py --tiny, 8 held-out prompts x
+# 32 tokens, expected / reached there): 0.26-0.30 at T 0.7, 0.15-0.17 at T 1.0; TINY_07 and TINY_10 give about
+# that (the benchmark prints each case's mean p and p (1 - p))
 TINY_07 = dict(sharpness=1.8, drafter_noise=1.0, temperature=0.7)
 TINY_10 = dict(sharpness=1.6, drafter_noise=1.0, temperature=1.0)
 HIGH_P = dict(sharpness=6.0, drafter_noise=0.5, temperature=0.7)
