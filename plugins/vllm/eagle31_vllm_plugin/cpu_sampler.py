@@ -97,7 +97,33 @@ def register() -> None:
     """vLLM's `vllm.general_plugins` entry point."""
     if not _state:
         _state.update(_fix_where_broken())
+        if _state["sampler"] == FIXED:
+            _guard_empty_top_k()
         _publish(_state)
+
+
+def _guard_empty_top_k() -> None:
+    """vLLM 0.32's `v1/sample/ops/topk_topp_sampler.py: apply_top_k_only` (the CPU path of a top-k
+    without top-p) takes `k.max()`, which raises on an engine step that verifies no draft token
+    (every request in the batch without drafts): the engine dies. Wrapped, only where it raises on
+    such a batch, to return the empty logits unchanged; `apply_top_k_top_p_pytorch` reads the
+    module's attribute when it runs."""
+    import torch
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    shipped = topk_topp_sampler.apply_top_k_only
+    try:
+        shipped(torch.empty(0, 4), torch.empty(0, dtype=torch.int64))
+        return
+    except RuntimeError:
+        pass
+
+    def apply_top_k_only(logits, k):
+        return logits if logits.shape[0] == 0 else shipped(logits, k)
+
+    topk_topp_sampler.apply_top_k_only = apply_top_k_only
+    log.info("eagle31-vllm-plugin: vLLM's CPU top-k (apply_top_k_only) raises on a step without draft tokens; "
+             "such a step's empty logits are returned as they are")
 
 
 def _fix_where_broken() -> dict[str, str]:
