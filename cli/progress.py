@@ -27,6 +27,7 @@ LABELS = {
     "compare": "parity (prompts)",
     "greedy_drafts": "the drafter run greedy (prompts)",
     "concurrency": "under load (concurrency levels)",
+    "mixed_batches": "greedy among sampled requests (concurrency levels)",
     "measure": "measuring (prompts)",
     "capture": "capturing (prompts)",
     "export": "exporting",

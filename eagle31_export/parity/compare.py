@@ -32,6 +32,7 @@ from eagle31_export.parity.concurrency import (
 from eagle31_export.parity.context import ContextRow
 from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
 from eagle31_export.parity.evidence import inconclusive_reasons
+from eagle31_export.parity.mixed_batches import MixedBatchRow, check_mixed_batches
 from eagle31_export.parity.sampling import ALPHA, CORRECTION, GreedyDrafts, SamplingCheck, check_sampled
 from eagle31_export.parity.symptoms import LATER_POSITIONS, POSITION_1  # noqa: F401 (re-exported)
 from eagle31_export.parity.numerics import BUDGET_ALPHA, K, Measured, Measurer, TieBudget, expected_ties, measurer_for
@@ -119,6 +120,11 @@ class ParityReport:
     # error scales and normalized margin shifts over every decision; None where ties are not measured
     numerics: dict | None = None
     activations: dict | None = None  # FP4 activations or not, and how that is known (set, observed, stated)
+    # the engine's rejection sampler as found where it is served (vllm: our plugin's /metrics gauge):
+    # {"state", "broken", "how"}; None where the runtime does not say
+    engine_sampler: dict | None = None
+    # sampled runs with --concurrency: greedy requests among sampled ones at each C > 1 (parity/mixed_batches.py)
+    mixed_batches: list[MixedBatchRow] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -212,7 +218,8 @@ class ParityReport:
                 "tau_runtime": self.tau("runtime"), "failures": self.failures,
                 "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth,
                 "concurrency": [{**asdict(c), "tokens_per_second": c.tokens_per_second} for c in self.concurrency],
-                "runtime_dtype": self.runtime_dtype,
+                "runtime_dtype": self.runtime_dtype, "engine_sampler": self.engine_sampler,
+                "mixed_batches": [asdict(row) for row in self.mixed_batches],
                 "sampling": None if self.sampling is None else {**self.sampling.to_json(),
                                                                 "rule_basis": self.sampling_rule_basis},
                 "sampled_check": None if self.sampled is None else self.sampled.to_json(),
@@ -364,7 +371,7 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
         sampling = Sampling(temperature, top_p, top_k, rule)
         if rule == "greedy-drafts":
             return compare_sampled(reference, runtime, prompts, depth, max_new_tokens, sampling, seed, thresholds,
-                                   phases, basis)
+                                   phases, basis, concurrency)
     mode = mode or ("replay" if temperature == 0 and hasattr(reference, "replay") else "autoregressive")
     if mode not in MODES:
         raise UserError(f"unknown parity mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -560,10 +567,12 @@ def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
 
 def compare_sampled(reference: Speculator, runtime: Speculator, prompts: list[list[int]], depth: int,
                     max_new_tokens: int, sampling: Sampling, seed: int, thresholds: Thresholds, phases: Phases,
-                    rule_basis: str | None = None) -> ParityReport:
+                    rule_basis: str | None = None, concurrency: tuple[int, ...] = (1,)) -> ParityReport:
     """Sampled runs under the greedy-drafts rule: the runtime generates each prompt (seed + i) and the
     reference is replayed along its output (parity/sampling.py: (a) drafts exact, (b) acceptance law).
-    The rows' reference side is what the target's probabilities expect along the runtime's rounds."""
+    The rows' reference side is what the target's probabilities expect along the runtime's rounds.
+    `concurrency` levels C > 1: batches mixing greedy and sampled requests (parity/mixed_batches.py)."""
+    check_runtime_serves(runtime, concurrency)
     if not hasattr(reference, "replay_sampled"):
         raise UserError("sampling parity under the greedy-drafts rule replays a reference pair (--drafter, --target)")
     report = ParityReport(runtime.name, depth, sampling.temperature, runtime.exact, thresholds, "sampled-replay",
@@ -580,6 +589,9 @@ def compare_sampled(reference: Speculator, runtime: Speculator, prompts: list[li
     if report.sampled.wants_greedy and hasattr(reference, "replay"):
         report.sampled.greedy = _greedy_drafts(reference, runtime, prompts, depth, max_new_tokens, seed, gap, phases)
     report.failures = report.sampled.failures()
+    report.mixed_batches, mixed = check_mixed_batches(reference, runtime, prompts, depth, max_new_tokens, sampling,
+                                                      seed, concurrency, gap, phases)
+    report.failures += mixed
     report.judge_evidence()
     report.timings = phases.as_json()
     return report

@@ -121,6 +121,15 @@ def dtype_lines(report: ParityReport) -> list[str]:
     if a:
         which = "FP4 (NVFP4, W4A4)" if a["fp4"] else "not quantized (W4A16 where the weights are NVFP4)"
         lines += [f"activations compared: {which}, {a['basis']}: {a['how']}", ""]
+    e = report.engine_sampler
+    if e and report.temperature != 0:
+        lines += [f"engine's sampler: {e['state']} ({e['how']})", ""]
+    for row in report.mixed_batches:
+        lines += [f"mixed batch at concurrency {row.concurrency} (largest batch {row.largest_batch}): "
+                  f"{len(row.exact_prompts)} of {len(row.greedy_prompts)} greedy requests among "
+                  f"{len(row.sampled_prompts)} sampled ones decoded as the reference"
+                  + (f" ({len(row.ties)} numerical ties)" if row.ties else "")
+                  + (f"; first difference: {row.untied[0]}" if row.untied else ""), ""]
     return lines
 
 

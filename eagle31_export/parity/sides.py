@@ -222,6 +222,7 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
         def load_runtime():
             speculator = load_speculator(runtime, runtime_source, runtime_side, workdir)
             seen["runtime_dtype"] = getattr(speculator, "runtime_dtype", None)
+            seen["engine_sampler"] = getattr(speculator, "engine_sampler", None)
             return speculator
 
         def load_reference():
@@ -243,4 +244,19 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
                                     progress=phases, concurrency=concurrency,
                                     repeat=repeat, **(sampling or {}))
         report.runtime_dtype = seen.get("runtime_dtype")
+        report.engine_sampler = seen.get("engine_sampler")
+        if temperature != 0 and (report.engine_sampler or {}).get("broken"):
+            report.failures[:0] = [broken_sampler_failure(report.engine_sampler)]
         return report
+
+
+ENGINE_SAMPLER_BROKEN = ("the engine's sampler: its per-token temperature, top-k and top-p are not the requests' "
+                         "(the sampled acceptance and any greedy request batched with sampled ones follow other "
+                         "logits), so sampling parity cannot pass on it")
+
+
+def broken_sampler_failure(sampler: dict) -> str:
+    """Said first where the engine is known to sample with a broken sampler (vLLM's CPU build with the
+    expand shim left as shipped: docs/runtimes.md, "Sampling parity"), whatever the statistics show."""
+    return (f"{ENGINE_SAMPLER_BROKEN}: {sampler['state']}, as {sampler['how']} says; serve it with our vLLM plugin's "
+            "fix (unset EAGLE31_VLLM_KEEP_SAMPLER)")

@@ -59,6 +59,11 @@ class LoadOptions:
     max_context: int | None = None  # the longest sequence a run holds (vllm: the local engine serves at least this)
 
 
+def request_sampling(temperature: float | Sampling | list, i: int) -> float | Sampling:
+    """What request i of a concurrent run samples by (`Speculator.run_concurrently`)."""
+    return temperature[i] if isinstance(temperature, (list, tuple)) else temperature
+
+
 class Speculator:
     """A runtime that generates with speculation; `exact` when it computes in fp32 end to end."""
 
@@ -93,11 +98,12 @@ class Speculator:
         return rule, f"set: this run's own loop samples by {rule}"
 
     def run_concurrently(self, prompts: list[list[int]], max_new_tokens: int, depth: int, concurrency: int,
-                         temperature: float = 0.0, seed: int = 0) -> "ConcurrentRun":
+                         temperature: float | Sampling | list = 0.0, seed: int = 0) -> "ConcurrentRun":
         """Every prompt with `concurrency` requests in flight at a time (prompt i with seed + i, as
-        one at a time), the results in prompt order."""
+        one at a time), the results in prompt order. `temperature`: one for every request, or a list
+        (request i samples by `temperature[i]`: a batch mixing greedy and sampled requests)."""
         def one(i: int) -> SpecResult:
-            return self.run(prompts[i], max_new_tokens, depth, temperature, seed + i)
+            return self.run(prompts[i], max_new_tokens, depth, request_sampling(temperature, i), seed + i)
 
         with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eagle31-request") as pool:
             return ConcurrentRun(list(pool.map(one, range(len(prompts)))))

@@ -45,6 +45,10 @@ CACHE_HITS, CACHE_QUERIES = "vllm:prefix_cache_hits", "vllm:prefix_cache_queries
 STEPS = "vllm:iteration_tokens_total"  # histogram: one observation per engine step
 GENERATED = "vllm:generation_tokens"  # counter: tokens the engine's steps produced
 CACHE_INFO = "vllm:cache_config_info"
+# our vLLM plugin's gauge (plugins/vllm/eagle31_vllm_plugin/cpu_sampler.py, STATE_METRIC): labels `shim`
+# (what vLLM's CPU expand_kernel shim does: broken, correct, none) and `sampler` (fixed_by_plugin,
+# left_as_shipped, as_shipped)
+ENGINE_SAMPLER = "eagle31_vllm_cpu_sampler"
 _SPEC_FIELDS = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens", "num_accepted_tokens": "accepted_tokens"}
 
 Samples = dict[str, list[tuple[dict, float]]]  # sample name -> (labels, value) of every engine
@@ -141,6 +145,7 @@ class EngineMetrics:
     steps: int | None  # engine steps that produced output (vllm:iteration_tokens_total's count)
     cache_info: dict  # vllm:cache_config_info's labels (the first engine's); {} where absent
     generated: int | None = None  # output tokens the engine produced (vllm:generation_tokens)
+    sampler_plugin: dict | None = None  # ENGINE_SAMPLER's labels ({"shim", "sampler"}); None: no such gauge
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -148,7 +153,8 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     info = samples.get(CACHE_INFO) or [({}, 0.0)]
     return EngineMetrics(_spec_counters(samples), _total(samples, RUNNING), _total(samples, WAITING),
                          _total(samples, CACHE_HITS), _total(samples, CACHE_QUERIES),
-                         _total(samples, f"{STEPS}_count"), info[0][0], _total(samples, GENERATED))
+                         _total(samples, f"{STEPS}_count"), info[0][0], _total(samples, GENERATED),
+                         next((labels for labels, value in samples.get(ENGINE_SAMPLER, []) if value), None))
 
 
 @dataclass

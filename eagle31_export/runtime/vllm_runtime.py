@@ -32,7 +32,9 @@ import torch
 
 from eagle31_export.errors import UserError
 from eagle31_export.reference.speculate import SpecResult, replay_rounds
-from eagle31_export.runtime.contract import BatchFigures, ConcurrentRun, LoadOptions, PairSource, Speculator
+from eagle31_export.runtime.contract import (
+    BatchFigures, ConcurrentRun, LoadOptions, PairSource, Speculator, request_sampling,
+)
 from eagle31_export.runtime.vllm_client import Completion, EngineMetrics, RunningSampler, SpecCounters, VllmClient
 from eagle31_export.runtime.vllm_engine import CPU_NVFP4_PLUGIN, LocalServer, VllmInstall, find_vllm
 
@@ -55,6 +57,7 @@ class VllmSpeculator(Speculator):
         names = {name: dtype for dtype, name in VLLM_DTYPES.items()}
         self.compute_dtype = names.get((runtime_dtype or {}).get("dtype"), torch.float32 if exact else torch.bfloat16)
         self.rounds_in_order = True  # False once a server answers without per-step acceptance
+        self.engine_sampler = engine_sampler(client.metrics())  # what its sampler is, as our plugin found it
         self._finalizer = weakref.finalize(self, _shutdown, server, cleanup)
 
     @property
@@ -112,7 +115,8 @@ class VllmSpeculator(Speculator):
             with sampler.request() if sampler else contextlib.nullcontext():
                 if i < opening.parties:
                     _wait(opening)
-                return self.client.complete(list(prompts[i]), max_new_tokens, temperature, seed + i, ())
+                return self.client.complete(list(prompts[i]), max_new_tokens, request_sampling(temperature, i),
+                                            seed + i, ())
 
         before = self._metrics()
         with sampler or contextlib.nullcontext():
@@ -167,6 +171,32 @@ class VllmSpeculator(Speculator):
                             f"(per-request {sorted(steps, reverse=True)} vs counters {from_counts}); is another "
                             "client using it? parity sends one request at a time")
         return steps
+
+
+UPSTREAM_SAMPLER_ISSUE = "vllm#55005"
+SAMPLER_STATES = {  # our plugin's gauge labels (shim, sampler) -> what the report says of the engine's sampler
+    ("broken", "fixed_by_plugin"): f"shipped shim broken ({UPSTREAM_SAMPLER_ISSUE}), fixed by the plugin",
+    ("correct", "as_shipped"): "not broken",
+    ("none", "as_shipped"): "not broken (this build runs no CPU expand shim: vLLM's own Triton kernel)",
+    ("broken", "left_as_shipped"): f"left as shipped: shipped shim broken ({UPSTREAM_SAMPLER_ISSUE})",
+}
+SAMPLER_HOW = ("the server's /metrics (eagle31_vllm_cpu_sampler, set by our vLLM plugin, which calls vLLM's CPU "
+               "expand_kernel shim on a small tensor in every process)")
+
+
+def engine_sampler(metrics: EngineMetrics) -> dict:
+    """What the engine's rejection sampler is, as our vLLM plugin found it and left it: {"state",
+    "broken" (True: it samples with per-token parameters that are not the request's; None: not known),
+    "how"}. vLLM 0.32's CPU build expands them through a broken shim (vllm#55005;
+    plugins/vllm/eagle31_vllm_plugin/cpu_sampler.py), which the plugin replaces unless told not to."""
+    labels = metrics.sampler_plugin
+    if labels is None:
+        return {"state": "unknown: the server runs without our vLLM plugin's sampler check (no "
+                         "eagle31_vllm_cpu_sampler on /metrics; vLLM's CPU build up to 0.32 has a broken expand shim, "
+                         f"{UPSTREAM_SAMPLER_ISSUE}: install plugins/vllm)", "broken": None, "how": SAMPLER_HOW}
+    key = (labels.get("shim"), labels.get("sampler"))
+    state = SAMPLER_STATES.get(key, f"shim {key[0]}, sampler {key[1]}")
+    return {"state": state, "broken": key == ("broken", "left_as_shipped"), "how": SAMPLER_HOW}
 
 
 def _wait(barrier: threading.Barrier) -> None:
