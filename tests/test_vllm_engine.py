@@ -388,9 +388,7 @@ def test_broken_bundles_fail_on_vllm_with_their_symptom(vllm, tmp_path, sources,
     """Each bundle is what a buggy exporter would write (a valid manifest over broken content);
     vLLM runs every one of them without a word, in bf16 and in bf16 with FP4 activations, and parity
     fails it with its symptom: differences beyond what the precision measurably explains at each
-    decision (parity/numerics.py). (Under sampling, vLLM's CPU build misbehaves too much for its
-    verdicts to name these: docs/runtimes.md, "Sampling parity"; tests/test_sampling_parity.py catches
-    all four under sampling on our runtimes.)"""
+    decision (parity/numerics.py). (Under sampling: the next test.)"""
     target = SERVED[precision]
     report = parity(vllm, bundle_of(tmp_path, sources[bug], target=target), DRAFTER31, target=target,
                     runtime_options=BF16)
@@ -402,6 +400,24 @@ def test_broken_bundles_fail_on_vllm_with_their_symptom(vllm, tmp_path, sources,
     if symptom == LATER_POSITIONS:  # the first draft step is intact: no round differs beyond a tie at position 1
         assert not any(POSITION_1 in s for s in untied), untied
         assert report.tau("runtime") < report.tau("reference")
+
+
+@pytest.mark.parametrize("bug, symptom", [("norm_output", LATER_POSITIONS), ("taps", POSITION_1),
+                                          ("fc_norm", POSITION_1), ("d2t", POSITION_1)])
+def test_broken_bundles_fail_under_sampling_on_vllm_with_their_symptom(vllm, tmp_path, sources, bug, symptom):
+    """The same four bundles served by vLLM's CPU build with our plugin's sampler fix, sampled at T 0.7 in
+    fp32: (a) finds accepted tokens that are not the reference drafter's drafts, blames the drafter and
+    names the symptom, whatever (b) says."""
+    report = parity(vllm, bundle_of(tmp_path, sources[bug]), DRAFTER31, runtime_options=FP32, temperature=0.7,
+                    sampling_rule="greedy-drafts", max_new_tokens=16)
+    print(sampled_figures(f"{bug} T=0.7", report))
+    check = report.sampled
+    assert report.engine_sampler["state"] == FIXED_SAMPLER
+    assert report.verdict == "FAIL" and not check.drafts_exact and check.at_fault == "drafter", report.failures
+    if symptom == LATER_POSITIONS:  # the first draft step is intact: nothing differs at position 1
+        assert all(LATER_POSITIONS in f for f in report.failures), report.failures
+    else:  # later drafts follow the first step's inputs: they may differ too, but position 1 does
+        assert any(POSITION_1 in f for f in report.failures), report.failures
 
 
 def assert_faithful_half_precision_pass(report):
