@@ -12,7 +12,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-installed
 VLLM_PLUGIN_FILES := plugins/vllm/pyproject.toml $(wildcard plugins/vllm/eagle31_vllm_plugin/*.py)
 
-.PHONY: setup setup-vllm smollm2-target demo test test-quick
+.PHONY: setup setup-vllm smollm2-target smollm2-nvfp4 demo demo-smollm2 test test-quick
 
 setup: $(STAMP)
 
@@ -45,12 +45,21 @@ $(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) $(VLLM_PLUGIN_FILES)
 smollm2-target: setup
 	$(PY) examples/smollm2/target.py
 
+# its NVFP4 copy (ModelOpt format, written by our own quantize), which the demo measures beside it
+SMOLLM2 := examples/smollm2/models
+smollm2-nvfp4: smollm2-target
+	test -f $(SMOLLM2)/target-nvfp4/manifest.json || $(VENV)/bin/eagle31-export quantize $(SMOLLM2)/target --out $(SMOLLM2)/target-nvfp4
+
+# the demo on the real pair: SmolLM2-135M-Instruct and the two drafters trained for it (examples/smollm2)
+demo-smollm2: smollm2-nvfp4
+	$(if $(wildcard $(VLLM_STAMP)),EAGLE31_VLLM=$(VLLM_VENV) )$(VENV)/bin/eagle31-export demo --pair $(SMOLLM2) --out out/demo-smollm2
+
 # with a vLLM environment (make setup-vllm) the demo also runs parity on a real vLLM engine
 demo: setup
 	$(if $(wildcard $(VLLM_STAMP)),EAGLE31_VLLM=$(VLLM_VENV) )$(VENV)/bin/eagle31-export demo --pair examples/tiny/models --out out/demo
 
 # EAGLE31_REQUIRE_VLLM: the vLLM tests fail, not skip, where the engine cannot be found
-test: setup setup-vllm
+test: setup setup-vllm smollm2-target
 	EAGLE31_VLLM=$(VLLM_VENV) EAGLE31_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
 
 # while working: everything but the tests marked `engine` (real vLLM / Triton engines, minutes each);

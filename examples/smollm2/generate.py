@@ -63,6 +63,14 @@ def answer(model, tokenizer, batch: list[list[int]]) -> list[list[int]]:
     return [row[:row.index(eos) + 1] if eos in row else row for row in out]
 
 
+def chunk_prompts(tokenizer, ordered: list, index: int) -> list[tuple]:
+    """Chunk `index`'s prompts with their chat ids, in the order its shard's records are written: those
+    of at most MAX_PROMPT_TOKENS tokens, by length (a stable sort). Keys are not unique (two methods of
+    one name in a file), so a record belongs to the prompt at its position, not to its key."""
+    encoded = [(p, chat_ids(tokenizer, p.text)) for p in ordered[index * CHUNK:(index + 1) * CHUNK]]
+    return sorted((e for e in encoded if len(e[1]) <= MAX_PROMPT_TOKENS), key=lambda e: len(e[1]))
+
+
 def write_shard(index: int, records: list[dict]) -> None:
     path = shard_path(index)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -87,9 +95,7 @@ def main() -> None:
     ordered = prompt_builder.build(prompt_builder.split()[0])
     start, index = time.time(), done_chunks()
     while index * CHUNK < len(ordered) and (args.chunks is None or index < args.chunks):
-        chunk = ordered[index * CHUNK:(index + 1) * CHUNK]
-        encoded = [(p, chat_ids(tokenizer, p.text)) for p in chunk]
-        encoded = sorted((e for e in encoded if len(e[1]) <= MAX_PROMPT_TOKENS), key=lambda e: len(e[1]))
+        encoded = chunk_prompts(tokenizer, ordered, index)
         records = []
         for b in range(0, len(encoded), BATCH):
             group = encoded[b:b + BATCH]

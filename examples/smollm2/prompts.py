@@ -32,7 +32,7 @@ READ_EVERY = 8  # the read prompts' file excerpt (about 1500-1800 tokens of Pyth
 
 @dataclass(frozen=True)
 class Prompt:
-    key: str  # "<file>:<kind>:<name>", unique and stable
+    key: str  # "<file>:<kind>:<name>", stable, not unique: two methods of one name in a file share it
     source: str  # the file, relative to the standard library
     kind: str
     text: str  # the user turn
