@@ -58,7 +58,7 @@ def _tiny_training():
 
 
 _tiny = _tiny_training()
-chain_losses, log, save_drafter, teacher = _tiny.chain_losses, _tiny.log, _tiny.save_drafter, _tiny.teacher
+drafter_step, log, save_drafter, teacher = _tiny.drafter_step, _tiny.log, _tiny.save_drafter, _tiny.teacher
 
 MODELS = HERE / "models"
 PROGRESS = MODELS / "progress.json"
@@ -192,12 +192,7 @@ def train(drafters: dict, target: ReferenceTarget, conversations, progress: dict
         probs, taps = teacher(target, x, draft_ids)
         line = []
         for label, drafter in drafters.items():
-            losses = chain_losses(drafter, probs, taps, x, args.unroll, anchors)
-            opts[label].param_groups[0]["lr"] = lr
-            opts[label].zero_grad()
-            (sum(losses) / len(losses)).backward()
-            torch.nn.utils.clip_grad_norm_(params[label], 1.0)
-            opts[label].step()
+            losses = drafter_step(drafter, opts[label], params[label], probs, taps, x, args.unroll, anchors, lr)
             line.append(f"{label} [{' '.join(f'{loss.item():.3f}' for loss in losses)}]")
         progress.update(step=step + 1, tokens=progress["tokens"] + x.numel())
         if step % 10 == 0:

@@ -131,6 +131,18 @@ def chain_losses(drafter: Eagle3Drafter, probs: torch.Tensor, taps: torch.Tensor
     return [-(probs[:, 1 + k + rows] * F.log_softmax(lg, -1)).sum(-1).mean() for k, lg in enumerate(step_logits)]
 
 
+def drafter_step(drafter: Eagle3Drafter, opt, params: list, probs: torch.Tensor, taps: torch.Tensor,
+                 x: torch.Tensor, unroll: int, anchors: torch.Tensor | None, lr: float) -> list[torch.Tensor]:
+    """One optimizer step of a drafter on a batch the target has already scored; its per-step losses."""
+    losses = chain_losses(drafter, probs, taps, x, unroll, anchors)
+    opt.param_groups[0]["lr"] = lr
+    opt.zero_grad()
+    (sum(losses) / len(losses)).backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return losses
+
+
 def train_drafter(cfg: DrafterConfig, target_model, stream, draft_ids, steps, minutes, unroll, logfile, seed):
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg)

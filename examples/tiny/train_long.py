@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import read, split  # noqa: E402
-from train import batches, chain_losses, cosine_lr, encode, log, save_drafter, teacher  # noqa: E402
+from train import batches, cosine_lr, drafter_step, encode, log, save_drafter, teacher  # noqa: E402
 
 from eagle31_export.demo.long_pair import write_long_context_pair  # noqa: E402
 from eagle31_export.formats.pair import read_pair  # noqa: E402
@@ -151,12 +151,7 @@ def train(drafters: dict, target: ReferenceTarget, stream: torch.Tensor, args, l
         line = []
         for label, drafter in drafters.items():
             began = time.time()
-            losses = chain_losses(drafter, probs, taps, x, args.unroll, anchors)
-            opts[label].param_groups[0]["lr"] = lr
-            opts[label].zero_grad()
-            (sum(losses) / len(losses)).backward()
-            torch.nn.utils.clip_grad_norm_(params[label], 1.0)
-            opts[label].step()
+            losses = drafter_step(drafter, opts[label], params[label], probs, taps, x, args.unroll, anchors, lr)
             spent[label] += time.time() - began
             recent[label] = (recent[label] + [[loss.item() for loss in losses]])[-50:]
             line.append(f"{label} [{' '.join(f'{loss.item():.3f}' for loss in losses)}]")
