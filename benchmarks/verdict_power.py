@@ -7,7 +7,8 @@ no tie budget).
     .venv/bin/python benchmarks/verdict_power.py --runs 100       # the figures docs/runtimes.md quotes
 
 The runtime is our own: the reference pair's loop (`--runtime reference`) computing at the precision
-(fp32; bf16; bf16 with FP4 activations on the NVFP4 target), over the faithful drafter or a sabotaged
+(fp32; bf16; bf16 or fp32 with FP4 activations on the NVFP4 target; the last also without the
+float64 measurement's FP4 rounding band, parity/numerics.py: FP4_ROUNDING_BAND, as the verdict was before it), over the faithful drafter or a sabotaged
 one (tests/parity/sabotage.py). It generates autoregressively, one verification forward a round, while
 parity's reference replays the whole sequence in one forward: at bf16 the two round differently,
 which is what a faithful engine's numerics look like to parity. Each run is `--prompts` held-out
@@ -45,12 +46,14 @@ from sabotage import (  # noqa: E402
 
 PAIR = EmbeddedPair.open(ROOT / "examples" / "tiny" / "models")
 EAGLE31 = PAIR.folder / DRAFTERS["EAGLE 3.1"]
+NO_BAND = "fp32+FP4, no band"  # the float64 measurement without FP4_ROUNDING_BAND, as it was before it
 PRECISIONS = {"fp32": (torch.float32, False, TARGET), "bf16": (torch.bfloat16, False, TARGET),
-              "bf16+FP4 act": (torch.bfloat16, True, TARGET_NVFP4)}
+              "bf16+FP4 act": (torch.bfloat16, True, TARGET_NVFP4), "fp32+FP4 act": (torch.float32, True, TARGET_NVFP4),
+              NO_BAND: (torch.float32, True, TARGET_NVFP4)}
 SABOTAGES = {"faithful": lambda c: c, "taps shifted": lambda c: shift_aux_ids(c, 8), "fc_norm dropped": drop_fc_norm,
              "norm_output dropped": pre_norm_feedback, "d2t off by one": shift_d2t,
              "rope_theta x4": scale_rope_theta, "fc x 1.05": scale_fc}
-OLD_GAPS = {"fp32": 1e-4, "bf16": 0.25, "bf16+FP4 act": 1.0}
+OLD_GAPS = {"fp32": 1e-4, "bf16": 0.25, "bf16+FP4 act": 1.0, "fp32+FP4 act": 1e-4, NO_BAND: 1e-4}
 DEPTH = 3
 
 
@@ -131,7 +134,7 @@ def main() -> None:
     prompts = [pool[(i * 7919) % len(pool)] for i in range(need)]  # each run's from all over the held-out text
     print(f"{runs} runs a cell, {args.prompts} held-out prompts a run ({len(pool)} windows), {args.tokens} tokens, "
           f"depth {DEPTH}, K = {K:g}")
-    print(f"{'precision':14} {'sabotage':20} {'runs':>4} | {'new: drafts':>11} {'95% bound':>9} {'new: counts':>11} "
+    print(f"{'precision':17} {'sabotage':20} {'runs':>4} | {'new: drafts':>11} {'95% bound':>9} {'new: counts':>11} "
           f"{'95% bound':>9} | {'old: drafts':>11} {'old: counts':>11} | {'s':>5}")
     ratios: list[float] = []
     z_all: list[float] = []
@@ -141,6 +144,8 @@ def main() -> None:
             target = PAIR.folder / target_name
             reference = load_speculator("reference", PairSource.of(EAGLE31, target), LoadOptions(act_quant=fp4))
             measurer = measurer_for(reference, dtype == torch.float32, dtype, fp4)
+            if name == NO_BAND:
+                measurer.fp4_band = None
             for sabotage in args.sabotage or SABOTAGES:
                 drafter = write_drafter(SABOTAGES[sabotage](read_drafter(EAGLE31)),
                                         Path(tmp) / f"{name}-{sabotage}".replace(" ", "_"), "specforge")
@@ -156,7 +161,7 @@ def main() -> None:
                         z_all += [v for m in measurer.measured for v in m.z]
                     counts = [c + v for c, v in zip(counts, verdicts)]
                 shown = [f"{c}/{runs}" for c in counts]
-                print(f"{name:14} {sabotage:20} {runs:4d} | {shown[0]:>11} {bound(counts[0], runs, not faithful):>9} "
+                print(f"{name:17} {sabotage:20} {runs:4d} | {shown[0]:>11} {bound(counts[0], runs, not faithful):>9} "
                       f"{shown[1]:>11} {bound(counts[1], runs, not faithful):>9} | {shown[2]:>11} {shown[3]:>11} | "
                       f"{time.perf_counter() - start:5.0f}", flush=True)
     print("(failing runs out of runs: detections for a sabotage, false alarms for the faithful drafter; the bound is "

@@ -129,6 +129,28 @@ def test_activation_fake_quant_matches_kernel_arithmetic(dtype):
     assert max(len(set(row.tolist())) for row in per_block) <= 8
 
 
+def test_ambiguous_roundings_take_the_other_side_within_the_band_only():
+    """What parity's float64 measurement of an fp32 engine computes with: an activation within the band
+    of an E2M1 rounding boundary (1.25 between 1 and 1.5), or a block whose scale sits within band / 6
+    of an E4M3 one, rounds the other way; everything else as computed."""
+    # gs = 1, block amax 6: the E4M3 scale is 1 exactly and the scaled values are the values
+    near, far = 1.25 + 2e-5, 1.1
+    block = torch.tensor([[6.0, near, far] + [0.0] * 13])
+    plain = nvfp4.fake_quant_activation(block, 1.0)
+    assert plain[0, :3].tolist() == [6.0, 1.5, 1.0]
+    with nvfp4.ambiguous_roundings(1.5e-4):
+        taken = nvfp4.fake_quant_activation(block, 1.0)
+    assert taken[0, :3].tolist() == [6.0, 1.0, 1.0]  # the near one crossed, the far one did not
+    with nvfp4.ambiguous_roundings(1e-5):
+        assert torch.equal(nvfp4.fake_quant_activation(block, 1.0), plain)  # outside a narrower band
+    # the block scale: amax / 6 = 1.0625 * (1 + 1e-6), 1e-6 above the E4M3 midpoint of 1 and 1.125
+    scaled = torch.tensor([[6 * 1.0625 * (1 + 1e-6)] + [0.0] * 15])
+    assert float(nvfp4.fake_quant_activation(scaled, 1.0)[0, 0]) == 6 * 1.125
+    with nvfp4.ambiguous_roundings(1.5e-4):  # 1.5e-4 / 6 relative > 1e-6: the scale rounds down instead
+        assert float(nvfp4.fake_quant_activation(scaled, 1.0)[0, 0]) == 6.0
+    assert nvfp4.fake_quant_activation(block, 1.0).equal(plain)  # the setting ends with its block
+
+
 def test_reciprocal_is_not_an_involution_in_fp32():
     # Why format conversions record source values: 1/(1/x) != x for many FP32 values.
     values = [float(v) for v in torch.exp(torch.linspace(-20, 20, 2000))]  # FP32-representable

@@ -6,7 +6,9 @@ for the CPU platform. Parity compares it with the W4A4 reference reading scales 
 quantization config gives input scales, and the reference follows (runtime/vllm_runtime.py:
 served_activations).
 
-- fp32 (compressed-tensors targets; vLLM's `modelopt_fp4` takes bf16/fp16 only): exact.
+- fp32 (compressed-tensors targets; vLLM's `modelopt_fp4` takes bf16/fp16 only): identical but for
+  ties an FP4 activation rounding within fp32's error of its boundary explains (on this 2-core machine
+  none; on another CPU one was seen).
 - bf16 (ModelOpt targets): every difference a numerical tie the measured bf16 + FP4-activation error
   explains (parity/numerics.py), and no more of them than it explains.
 - One-sided sabotages, patched in the test process only (the reference side; the engine reads the
@@ -67,8 +69,12 @@ def nvfp4_parity(vllm, target, dtype=None):
 
 
 @pytest.mark.parametrize("name, served", [("modelopt-to-ct", "local"), ("quantized-ct", "url")])
-def test_compressed_tensors_targets_are_exact_in_fp32(vllm, tmp_path, targets, name, served):
-    """The local engine parity starts, and a server started apart and reached with --url."""
+def test_compressed_tensors_targets_in_fp32_differ_by_fp4_rounding_ties_only(vllm, tmp_path, targets, name, served):
+    """The local engine parity starts, and a server started apart and reached with --url. fp32 with FP4
+    activations is not bit-comparable across machines: an activation within fp32's error of an FP4
+    rounding boundary may round either way (one did on a 2-core CI machine, moving a token 7 decisions
+    later by 0.09 logits), so the float64 measurement takes every such rounding the other way
+    (parity/numerics.py: FP4_ROUNDING_BAND) and every difference must be a tie it explains."""
     if served == "local":
         report = nvfp4_parity(vllm, targets[name])
     else:
@@ -78,9 +84,12 @@ def test_compressed_tensors_targets_are_exact_in_fp32(vllm, tmp_path, targets, n
     assert report.passed, report.failures
     assert report.activations["fp4"] and report.thresholds.fp4_activations
     assert report.activations["basis"] == ("set" if served == "local" else "config"), report.activations
-    assert report.exact and report.ties_judged and report.tie_count == 0
-    assert all(r.tokens_identical and r.accepted_identical for r in report.rows)
-    assert report.tau("runtime") == report.tau("reference")
+    assert report.exact and report.ties_judged and all(not r.untied for r in report.rows)
+    assert "FP4 roundings within" in report.numerics["precision"], report.numerics
+    budget = report.tie_budget
+    assert budget is not None and budget.observed <= budget.allowed, budget
+    differing = [r for r in report.rows if not (r.tokens_identical and r.accepted_identical)]
+    assert all(r.ties for r in differing)  # every differing prompt is explained by its listed ties
     assert_not_vacuous(report)
 
 

@@ -30,11 +30,13 @@ measures a larger one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from eagle31_export.formats.nvfp4.numerics import ambiguous_roundings
 from eagle31_export.reference.speculate import SpecResult, Top
 
 TOP_MEASURED = 16  # candidates whose shifts give a decision's error scale
@@ -42,6 +44,13 @@ K = 6.0  # ties within K x the measured error (docs/runtimes.md, "Ties: what the
 RUNTIME_ERROR_RATIO = 2.0  # a runtime's margin shifts against the measured error's, for the budget (measured)
 BUDGET_ALPHA = 1e-3  # a faithful runtime exceeds the tie budget at most this often (under the model)
 MIN_ERROR = 1e-12  # an error scale of exactly 0 (identical candidates) stays a scale
+# Against an fp32 runtime that quantizes activations to FP4: the float64 replay rounds every activation
+# within this many E2M1 units of a rounding boundary the other way (formats/nvfp4/numerics.py:
+# ambiguous_roundings). fp32 activations differ from float64 by up to 6.4e-5 units on the tiny NVFP4
+# target, 3.0e-5 on SmolLM2's (benchmarks/fp4_rounding_band.py); an engine summing in another order is
+# another draw of as much, so a rounding within twice that of a boundary may go either way on a faithful
+# engine, and with it every decision after it (docs/runtimes.md, "FP4 roundings in fp32").
+FP4_ROUNDING_BAND = 1.5e-4
 
 
 def error_scale(hi: Top, lo: Top) -> float:
@@ -204,6 +213,7 @@ class Measurer:
     precision: str
     measured: list[Measured] = field(default_factory=list)
     unavailable: str | None = None  # why the pair could not compute at that precision (an op without kernels)
+    fp4_band: float | None = None  # FP4 activation roundings within this many units go the other way
 
     def replay(self, reference, prompt: list[int], run: SpecResult,
                observer=None) -> tuple[SpecResult, Measured | None]:
@@ -213,7 +223,8 @@ class Measurer:
         if self.unavailable is not None:
             return ref, None
         try:
-            low = self.pair.replay(prompt, run, follow=ref.drafts)
+            with ambiguous_roundings(self.fp4_band) if self.fp4_band else contextlib.nullcontext():
+                low = self.pair.replay(prompt, run, follow=ref.drafts)
         except (RuntimeError, NotImplementedError) as err:  # e.g. no float64 kernel for an MoE's grouped GEMM
             self.unavailable = f"the reference pair does not compute in {self.precision} here ({err})".split("\n")[0]
             return ref, None
@@ -241,6 +252,8 @@ def measurer_for(reference, exact: bool, compute_dtype: torch.dtype, fp4_activat
     dtype = measure_dtype(exact, compute_dtype)
     at = getattr(reference, "at_precision", None)
     pair = at(dtype) if at is not None else None
-    name = (precision_name(torch.float32, fp4_activations) + " (against float64)" if exact
+    band = FP4_ROUNDING_BAND if exact and fp4_activations else None
+    name = (precision_name(torch.float32, fp4_activations) + " (against float64" +
+            (f", FP4 roundings within {band:g} of a boundary taken the other way)" if band else ")") if exact
             else precision_name(dtype, fp4_activations))
-    return None if pair is None else Measurer(pair, name)
+    return None if pair is None else Measurer(pair, name, fp4_band=band)

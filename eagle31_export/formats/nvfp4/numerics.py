@@ -16,7 +16,8 @@ under a static per-tensor `input_scale`; `fake_quant_activation` reproduces that
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +36,11 @@ E2M1_VALUES = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -
 # and 3.5 (0.5|1, 1.5|2, 3|4), where it is the upper one.
 _MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 _TIES_UP = (0.75, 1.75, 3.5)
+
+# Set by `ambiguous_roundings`: activations within this many E2M1 units (the block's scaled values, 6 at
+# its amax) of a rounding boundary, and block scales within band / 6 relative of an E4M3 one, round
+# the other way. None: every rounding as computed.
+_AMBIGUOUS_BAND: float | None = None
 
 # Rows processed at a time: bounds temporary memory (fp32 copies) for very large weights.
 _ROW_CHUNK = 2048
@@ -157,12 +163,40 @@ def fake_quant_activation(x: torch.Tensor, input_global_scale: torch.Tensor | fl
     gs = torch.as_tensor(input_global_scale, dtype=torch.float32).reshape(())
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
     block_amax = blocks.abs().amax(-1, keepdim=True)
+    band = _AMBIGUOUS_BAND
     sf = gs * (block_amax * (1.0 / E2M1_MAX))
-    sf = sf.clamp(min=-E4M3_MAX, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    sf = _e4m3(sf) if band is None else _other_side(sf, band / E2M1_MAX, _e4m3, lambda s, d: s * (1 + d))
     # The kernels compute 1 / (sf * (1 / gs)) and use 0 where sf is 0.
     inv_sf = torch.where(sf == 0, torch.zeros_like(sf), 1.0 / (sf * (1.0 / gs)))
-    codes = e2m1_codes((blocks * inv_sf).clamp(-E2M1_MAX, E2M1_MAX))
-    return (e2m1_values(codes) * (sf / gs)).reshape(x.shape).to(x.dtype)
+    scaled = (blocks * inv_sf).clamp(-E2M1_MAX, E2M1_MAX)
+    values = (e2m1_values(e2m1_codes(scaled)) if band is None
+              else _other_side(scaled, band, lambda v: e2m1_values(e2m1_codes(v.clamp(-E2M1_MAX, E2M1_MAX))),
+                               lambda v, d: v + d))
+    return (values * (sf / gs)).reshape(x.shape).to(x.dtype)
+
+
+def _e4m3(scale: torch.Tensor) -> torch.Tensor:
+    return scale.clamp(min=-E4M3_MAX, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def _other_side(x: torch.Tensor, band: float, rounded, moved) -> torch.Tensor:
+    """`rounded(x)`, except where moving x by `band` either way rounds elsewhere: there the other side."""
+    here, up, down = rounded(x), rounded(moved(x, band)), rounded(moved(x, -band))
+    return torch.where(up != here, up, torch.where(down != here, down, here))
+
+
+@contextlib.contextmanager
+def ambiguous_roundings(band: float) -> Iterator[None]:
+    """Within: every NVFP4 activation rounding that an error of `band` E2M1 units could turn (the
+    element's, or its block scale's: band / 6 relative, the amax sitting at 6 units) goes the other
+    way. What another engine computing the same inputs to within that error may round differently;
+    parity measures with it (parity/numerics.py: FP4_ROUNDING_BAND)."""
+    global _AMBIGUOUS_BAND
+    before, _AMBIGUOUS_BAND = _AMBIGUOUS_BAND, band
+    try:
+        yield
+    finally:
+        _AMBIGUOUS_BAND = before
 
 
 def reciprocal_f32(value: float) -> float:
