@@ -7,8 +7,8 @@ quantization config gives input scales, and the reference follows (runtime/vllm_
 served_activations).
 
 - fp32 (compressed-tensors targets; vLLM's `modelopt_fp4` takes bf16/fp16 only): identical but for
-  ties an FP4 activation rounding within fp32's error of its boundary explains (on this 2-core machine
-  none; on another CPU one was seen).
+  ties an FP4 activation rounding within fp32's error of its boundary explains (docs/runtimes.md, "FP4
+  roundings in fp32": one such tie seen on a CI machine, none where the suite was written).
 - bf16 (ModelOpt targets): every difference a numerical tie the measured bf16 + FP4-activation error
   explains (parity/numerics.py), and no more of them than it explains.
 - One-sided sabotages, patched in the test process only (the reference side; the engine reads the
