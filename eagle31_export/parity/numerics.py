@@ -30,7 +30,6 @@ measures a larger one.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -223,7 +222,7 @@ class Measurer:
         if self.unavailable is not None:
             return ref, None
         try:
-            with ambiguous_roundings(self.fp4_band) if self.fp4_band else contextlib.nullcontext():
+            with ambiguous_roundings(self.fp4_band):
                 low = self.pair.replay(prompt, run, follow=ref.drafts)
         except (RuntimeError, NotImplementedError) as err:  # e.g. no float64 kernel for an MoE's grouped GEMM
             self.unavailable = f"the reference pair does not compute in {self.precision} here ({err})".split("\n")[0]

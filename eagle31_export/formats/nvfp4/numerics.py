@@ -186,8 +186,8 @@ def _other_side(x: torch.Tensor, band: float, rounded, moved) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def ambiguous_roundings(band: float) -> Iterator[None]:
-    """Within: every NVFP4 activation rounding that an error of `band` E2M1 units could turn (the
+def ambiguous_roundings(band: float | None) -> Iterator[None]:
+    """None: every rounding as computed. Otherwise, within: every NVFP4 activation rounding that an error of `band` E2M1 units could turn (the
     element's, or its block scale's: band / 6 relative, the amax sitting at 6 units) goes the other
     way. What another engine computing the same inputs to within that error may round differently;
     parity measures with it (parity/numerics.py: FP4_ROUNDING_BAND)."""
