@@ -13,7 +13,8 @@ it with training-time test (`reference/ttt.py`, chains of `--unroll` steps from 
 anchor positions; the soft cross-entropy against the target's probabilities over the draft
 vocabulary, examples/tiny/train.py's losses). They start alike from the target: lm_head its
 (tied) embedding rows of the draft vocabulary, the final norm its, the decoder layer a copy of its
-last layer, fc passing the last tapped state through. The embedding is the target's and is not stored.
+last layer, fc passing the last tapped state through. The embedding is the target's, frozen, and not
+stored (engines load it from the target).
 
 Resumable anywhere: every CHECKPOINT_MINUTES, and at the end, both drafters (bf16, as committed) and
 `models/progress.json` (the step reached, the data seen) are written; a rerun continues from them at
@@ -70,6 +71,7 @@ TOKENS_PER_STEP = 2048
 ANCHORS_PER_STEP = 384
 CHECKPOINT_MINUTES = 15
 EVAL_PROMPTS, EVAL_MAX_PROMPT, EVAL_NEW_TOKENS, EVAL_DEPTHS = 12, 768, 64, (1, 2, 3, 4)
+DEMO_PROMPTS = 4  # what `demo --pair` measures (prompts.json): each costs minutes on 2 cores at 135M
 
 
 def drafter_config(eagle31: bool, target_cfg) -> DrafterConfig:
@@ -114,13 +116,14 @@ def windows(conversations: list[list[int]], gen: torch.Generator, extra: int):
 
 
 def from_target(drafter: Eagle3Drafter, target: ReferenceTarget, draft_ids: torch.Tensor) -> None:
-    """The starting point both drafters share: the target's head, final norm and last layer. (Zeroing
-    the layer's output projections, the target's head read at the deepest tap, starts worse: a loss
-    of 15.9 against 11.1 on the first batch, since that state predicts the token the drafter is given,
-    not the one after it.)"""
+    """The starting point both drafters share: the target's embedding (frozen), head, final norm and
+    last layer. (Zeroing the layer's output projections, the target's head read at the deepest tap,
+    started worse in a first trial, since that state predicts the token the drafter is given, not the
+    one after it.)"""
     model, cfg = target.model.model, drafter.cfg
     last, layer = model.layers[-1], drafter.layers[0]
     with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
         drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight[draft_ids])
         drafter.norm.weight.copy_(model.norm.weight)
         for name in ("q_proj", "k_proj", "v_proj"):  # the same projection of the token and of the state
@@ -149,7 +152,7 @@ def fresh_drafters(target: ReferenceTarget, conversations: list[list[int]], logf
         torch.manual_seed(0)
         from_target(drafter, target, draft_ids)
         drafters[label] = drafter
-    return drafters
+    return frozen_embedding(drafters)
 
 
 def saved_drafters(target: ReferenceTarget) -> dict[str, Eagle3Drafter]:
@@ -162,6 +165,15 @@ def saved_drafters(target: ReferenceTarget) -> dict[str, Eagle3Drafter]:
         state["embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach()
         drafter.load_state_dict(state, strict=True)
         drafters[label] = drafter
+    return frozen_embedding(drafters)
+
+
+def frozen_embedding(drafters: dict[str, Eagle3Drafter]) -> dict[str, Eagle3Drafter]:
+    """The drafters with their embedding, the target's, out of training. It is not stored (vLLM and
+    speculators load it from the target), so a trained copy would be served as the target's anyway:
+    the first run trained a randomly initialized one, and its drafters served at tau 1.35 and 1.16."""
+    for drafter in drafters.values():
+        drafter.embed_tokens.weight.requires_grad_(False)
     return drafters
 
 
@@ -210,11 +222,12 @@ def train(drafters: dict, target: ReferenceTarget, conversations, progress: dict
 
 def held_out_prompts(tokenizer) -> list[list[int]]:
     """EVAL_PROMPTS chat prompts from the held-out files, as served, written beside the drafters as
-    `held_out_prompts.jsonl` (for `parity --prompts`) and `prompts.json` (what `demo` measures)."""
+    `held_out_prompts.jsonl` (for `parity --prompts`), the first DEMO_PROMPTS of them as `prompts.json`
+    (what `demo` measures)."""
     held = [chat_ids(tokenizer, p.text) for p in prompt_builder.build(prompt_builder.split()[1])]
     held = [ids for ids in held if len(ids) <= EVAL_MAX_PROMPT][::7][:EVAL_PROMPTS]
     (MODELS / "held_out_prompts.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in held))
-    (MODELS / "prompts.json").write_text(json.dumps({"prompt_ids": held}) + "\n")
+    (MODELS / "prompts.json").write_text(json.dumps({"prompt_ids": held[:DEMO_PROMPTS]}) + "\n")
     return held
 
 
