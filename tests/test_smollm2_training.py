@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import sys
 from pathlib import Path
 
 import torch
@@ -24,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _train_module():
-    sys.path.insert(0, str(ROOT / "examples" / "smollm2"))
     spec = importlib.util.spec_from_file_location("smollm2_train", ROOT / "examples" / "smollm2" / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
