@@ -2,22 +2,36 @@
 speculation over the same engine serving the target alone, side by side in one run.
 
     .venv/bin/python benchmarks/speedup.py [--runtimes vllm,onnxruntime --levels 1,4,16 --repeats 3 --plot speedup.png]
+    .venv/bin/python benchmarks/speedup.py --pair smollm2 --runtimes vllm [--drafter drafter-eagle3 --depth 3,5]
+
+Pairs: --pair is a folder with target/ and drafter-eagle31/, or the name of one under examples/
+(`smollm2`: examples/smollm2/models, SmolLM2-135M-Instruct with the drafters trained for it; `make
+smollm2-target` makes its target); --drafter may name a drafter folder of the pair (`drafter-eagle3`).
+The default is the tiny trained pair (examples/tiny/models).
 
 Engines, each with and without the drafter, fp32, greedy, every request making exactly
 --max-new-tokens tokens:
-- vllm: two local vLLM servers over the same target (vLLM's CPU build here: `make setup-vllm`;
-  --vllm VENV), one with the EAGLE drafter (`export vllm` bundle, num_speculative_tokens --depth), one
-  without; `ignore_eos`;
+- vllm: local vLLM servers over the same target (vLLM's CPU build here: `make setup-vllm`;
+  --vllm VENV), one with the EAGLE drafter for each --depth (`export vllm` bundle,
+  num_speculative_tokens the depth), one without; `ignore_eos`;
 - onnxruntime: the exported graphs batched as the Triton `cpu` repository runs them
   (runtime/batching.py), in process: the speculation loop, and the target graph alone decoding one
   token a forward over the same batching. Each side's batcher counts its backend calls, so each side
   prints the mean batch it really ran at; a ratio compares speculation with the target alone only
   where the two means are within 10 % of each other, and the row says so where they are not.
-Prompts: seeded windows of the held-out files the tiny target never saw (benchmarks/triton_load.py).
-For each C the prompts are sent with C requests in flight; the two sides take turns, repeat after
-repeat, so drift hits both alike.
+Prompts: a pair folder with held_out_prompts.jsonl (smollm2: 12 chat prompts, read as `parity
+--prompts` reads them) gives its prompts, cycled through where --prompts asks for more requests; the
+tiny pair, seeded windows of the held-out files its target never saw (benchmarks/triton_load.py).
+For each C the prompts are sent with C requests in flight; the sides take turns, repeat after
+repeat, so drift hits all alike. vLLM's prefix cache (on by default) serves the prefill of a prompt
+each engine has seen before (the warm-up's, a cycled one, every repeat's), on every engine alike.
 
-Printed per C: the median output tokens/s of each side with the mean batch it ran at (sequences per
+Depths: --depth takes one depth or several (`--depth 3,5`, default 3): each depth gets a speculating
+engine of its own (vLLM: a server each), all measured against the one target-alone engine in the
+same turns, so "depth 3 and the best depth" is one run; every depth costs one more measurement per
+repeat and level.
+
+Printed per depth and C: the median output tokens/s of each side with the mean batch it ran at (sequences per
 backend call over every call of a measurement, median over the repeats; vLLM: requests advanced per
 engine step, from its /metrics counters), their
 ratio (and its range over the repeats), a note where the two mean batches differ by more than 10 %,
@@ -26,6 +40,24 @@ forward made (1 + accepted drafts / rounds; vLLM: from its own /metrics counters
 speed-up a free drafter and a verify step as cheap as a decode step would give; then ratio / tau. Beside them, the
 seed's 2.03 / 1.71 / 1.66 (Kimi-K2.6-NVFP4 with its EAGLE 3.1 drafter, vLLM, GB200): another pair and
 machine, shown for scale only.
+
+The bandwidth bound at C = 1 (benchmarks/bandwidth_bound.py), measured in the same run: before any
+engine starts, this process times a streaming read (torch.sum over a 1 GiB fp32 tensor, best of 5)
+at torch's default thread count, printed; that is the vLLM engine's too (its CPU build with the uni
+executor and the engine core in process, as LocalServer starts it, leaves torch's default alone).
+From the safetensors headers, at the served dtype fp32: the target's bytes per forward (every weight,
+the tied embedding once, by the lm_head; the embedding lookup one row) and the drafter's bytes per
+draft step (fc, its decoder layer, norms, lm_head over the draft vocabulary, and one row of the
+target's embedding). t_target = bytes_target / BW and t_draft = bytes_drafter / BW, and
+
+    bound = tau * t_target / (t_target + depth * t_draft)
+
+the speed-up a bandwidth-bound engine gives once drafting is paid for, assuming the verify forward of
+depth + 1 tokens costs what a decode step costs (it reads the same weights); KV-cache reads are not
+counted, and the fc is counted in every draft step though vLLM runs it once a round (the bound is
+about 1 % low for SmolLM2 at depth 3). Bandwidth cancels out of the bound; it matters for the line
+that sets the target alone's measured time per output token at C = 1 (prefill included) beside
+t_target: how close the engine is to bandwidth-bound. Each C = 1 row prints the bound and ratio / bound.
 """
 
 from __future__ import annotations
@@ -43,10 +75,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bandwidth_bound import (drafter_bytes_per_step, measure_bandwidth, speedup_bound,  # noqa: E402
+                             target_bytes_per_forward)
 from triton_load import held_out_prompts, pair_parser  # noqa: E402
 
 SEED_SPEEDUP = {1: 2.03, 4: 1.71, 16: 1.66}  # the seed's per-user speed-ups (Kimi-K2.6-NVFP4, vLLM, GB200)
 BATCH_TOLERANCE = 0.10  # the two sides' mean batch may differ by this much for their ratio to compare them
+BANDWIDTH_GIB = 1.0  # the streaming read's tensor: far beyond any CPU cache (tens of MiB)
+BANDWIDTH_READS = 5  # timed reads, the best one taken
+CHAT_PROMPTS = "held_out_prompts.jsonl"  # a pair's own prompts, one JSON object a line (`parity --prompts`)
+ALONE = "target alone"
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,14 +92,53 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm", default=os.environ.get("EAGLE31_VLLM", str(ROOT / ".venv-vllm")),
                    help="vLLM environment (VENV or its python)")
     p.add_argument("--levels", default="1,4,16", help="requests in flight, comma-separated")
-    p.add_argument("--prompts", type=int, default=32, help="requests per measurement (>= the highest level)")
+    p.add_argument("--prompts", type=int, default=32,
+                   help="requests per measurement (>= the highest level; a pair's own prompts are cycled through)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--depth", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--depth", "--depths", dest="depths", default="3",
+                   help="num_speculative_tokens, comma-separated: each depth speculates in an engine of its own")
     p.add_argument("--repeats", type=int, default=3, help="measurements per engine and level (median)")
     p.add_argument("--runtimes", default="vllm,onnxruntime", help="vllm, onnxruntime (comma-separated)")
     p.add_argument("--plot", type=Path, default=Path("speedup.png"), help="where to draw ratio and tau by C")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    return p.parse_args()
+    args = p.parse_args()
+    args.pair = resolve_pair(args.pair)
+    args.depths = sorted({int(d) for d in args.depths.split(",")})
+    return args
+
+
+def resolve_pair(pair: Path) -> Path:
+    """A pair folder as given, or the name of an example pair: `smollm2` is examples/smollm2/models."""
+    if pair.is_dir():
+        return pair
+    named = ROOT / "examples" / str(pair) / "models"
+    if named.is_dir():
+        return named
+    raise SystemExit(f"--pair {pair}: neither a folder nor an example pair (examples/NAME/models)")
+
+
+def in_pair(pair: Path, folder: Path | None, default: str) -> Path:
+    """--drafter / --target: a path, or the name of a folder of the pair (`drafter-eagle3`)."""
+    if folder is None:
+        return pair / default
+    return folder if folder.is_dir() or not (pair / folder).is_dir() else pair / folder
+
+
+def pair_prompts(pair: Path, target: Path, n: int) -> tuple[list[list[int]], str]:
+    """`n` prompts and what they are: the pair's own chat prompts where it has them, cycled through
+    where `n` is more; else the held-out windows of triton_load (the tiny pair)."""
+    chat = pair / CHAT_PROMPTS
+    if not chat.is_file():
+        return held_out_prompts(pair, target, n, seed=0), "held-out windows"
+    from eagle31_export.formats.prompts import read_prompts
+    from eagle31_export.formats.target.checkpoint import read_target_info
+
+    prompts = read_prompts(chat, target, read_target_info(target).vocab_size)
+    return [prompts[i % len(prompts)] for i in range(n)], f"the {len(prompts)} prompts of {CHAT_PROMPTS}, cycled"
+
+
+def speculation(depth: int) -> str:
+    return f"speculation, depth {depth}"
 
 
 def timed(run, prompts: list[list[int]], concurrency: int) -> tuple[float, list]:
@@ -84,11 +161,12 @@ def vllm_engines(args, drafter: Path, target: Path, tmp: Path, stack: ExitStack)
     from eagle31_export.runtime.vllm_runtime import engine_args
 
     install = find_vllm(args.vllm)
-    record = read_bundle(export_vllm(drafter, target, tmp / "bundle", num_speculative_tokens=args.depth))
-    options = LoadOptions(depth=args.depth)
+    records = {d: read_bundle(export_vllm(drafter, target, tmp / f"bundle-{d}", num_speculative_tokens=d))
+               for d in args.depths}
 
-    def engine(speculative: bool):
-        server = stack.enter_context(LocalServer(install, engine_args(record, options, speculative), tmp))
+    def engine(depth: int, speculative: bool):
+        served = engine_args(records[depth], LoadOptions(depth=depth), speculative)
+        server = stack.enter_context(LocalServer(install, served, tmp))
         client = VllmClient(server.url)
 
         def measure(prompts, c):
@@ -101,7 +179,8 @@ def vllm_engines(args, drafter: Path, target: Path, tmp: Path, stack: ExitStack)
                     [d.tokens for d in done], requests_per_step(before, after, rounds, len(prompts)))
         return measure
 
-    return {"label": install.describe(), "speculation": engine(True), "target alone": engine(False)}
+    return {"label": install.describe(), **{speculation(d): engine(d, True) for d in args.depths},
+            ALONE: engine(args.depths[0], False)}
 
 
 def requests_per_step(before, after, rounds: int, prompts: int) -> float | None:
@@ -143,13 +222,15 @@ def onnxruntime_engines(args, drafter: Path, target: Path, tmp: Path, stack: Exi
                 tokens.append(int(logits[0, -1].argmax()))
         return tokens, sequence.calls
 
-    def speculation(prompts, c):
-        start = time.perf_counter()
-        run = speculator.run_concurrently(prompts, args.max_new_tokens, args.depth, c)
-        seconds, done = time.perf_counter() - start, run.results
-        steps = [a for r in done for a in r.accepted_per_step]
-        return (seconds, sum(len(r.tokens) for r in done), len(steps), sum(steps), [r.tokens for r in done],
-                run.batching.mean)
+    def speculating(depth):
+        def measure(prompts, c):
+            start = time.perf_counter()
+            run = speculator.run_concurrently(prompts, args.max_new_tokens, depth, c)
+            seconds, done = time.perf_counter() - start, run.results
+            steps = [a for r in done for a in r.accepted_per_step]
+            return (seconds, sum(len(r.tokens) for r in done), len(steps), sum(steps), [r.tokens for r in done],
+                    run.batching.mean)
+        return measure
 
     def target_alone(prompts, c):
         with batcher.arrivals(min(c, len(prompts))):
@@ -157,8 +238,8 @@ def onnxruntime_engines(args, drafter: Path, target: Path, tmp: Path, stack: Exi
         figures = batch_figures([call for _, calls in done for call in calls], c)
         return seconds, sum(len(t) for t, _ in done), 0, 0, [t for t, _ in done], figures.mean
 
-    return {"label": "onnxruntime (the Triton cpu repository's engine, in process)", "speculation": speculation,
-            "target alone": target_alone}
+    return {"label": "onnxruntime (the Triton cpu repository's engine, in process)",
+            **{speculation(d): speculating(d) for d in args.depths}, ALONE: target_alone}
 
 
 ENGINES = {"vllm": vllm_engines, "onnxruntime": onnxruntime_engines}
@@ -167,9 +248,10 @@ ENGINES = {"vllm": vllm_engines, "onnxruntime": onnxruntime_engines}
 def main() -> None:
     args = parse_args()
     levels = sorted({int(c) for c in args.levels.split(",")})
-    drafter = args.drafter or args.pair / "drafter-eagle31"
-    target = args.target or args.pair / "target"
-    prompts = held_out_prompts(args.pair, target, max(args.prompts, max(levels)), seed=0)
+    drafter = in_pair(args.pair, args.drafter, "drafter-eagle31")
+    target = in_pair(args.pair, args.target, "target")
+    prompts, prompts_what = pair_prompts(args.pair, target, max(args.prompts, max(levels)))
+    bandwidth = bandwidth_figures(drafter, target)  # before any engine starts: the machine to itself
     tables = {}
     for runtime in args.runtimes.split(","):
         with tempfile.TemporaryDirectory(prefix="speedup-") as tmp, ExitStack() as stack:
@@ -178,19 +260,46 @@ def main() -> None:
             for measure in engines.values():  # warm-up: first requests compile and allocate
                 measure(prompts[:4], 4)
             runs = {(name, c): [] for name in engines for c in levels}
-            for _ in range(args.repeats):  # the two engines take turns: drift hits both alike
+            for _ in range(args.repeats):  # the engines take turns: drift hits all alike
                 for c in levels:
                     for name, measure in engines.items():
                         runs[name, c].append(measure(prompts, c))
-        tables[runtime] = {"engine": label,
-                           "rows": [summarise(c, runs["speculation", c], runs["target alone", c]) for c in levels]}
+        rows = [{"depth": d, **summarise(c, runs[speculation(d), c], runs[ALONE, c])}
+                for d in args.depths for c in levels]
+        for row in rows:
+            row.update(bandwidth_row(row, bandwidth))
+        tables[runtime] = {"engine": label, "rows": rows}
     if args.json:
-        print(json.dumps({"depth": args.depth, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                          "repeats": args.repeats, "runtimes": tables}, indent=2))
+        print(json.dumps({"pair": str(args.pair), "drafter": str(drafter), "depths": args.depths,
+                          "prompts": len(prompts), "prompts_are": prompts_what, "max_new_tokens": args.max_new_tokens,
+                          "repeats": args.repeats, "bandwidth": bandwidth, "runtimes": tables}, indent=2))
     else:
+        print(f"pair {args.pair}, drafter {drafter.name}; {len(prompts)} requests: {prompts_what}\n")
         for table in tables.values():
             print_table(table["rows"], table["engine"], args, len(prompts))
+        print_bandwidth(bandwidth, tables)
     draw(tables, args.plot)
+
+
+def bandwidth_figures(drafter: Path, target: Path) -> dict:
+    """This machine's streaming-read bandwidth, measured here, and the bytes the pair reads a step:
+    the times a bandwidth-bound engine would take (benchmarks/bandwidth_bound.py)."""
+    import torch
+
+    bytes_per_s = measure_bandwidth(BANDWIDTH_GIB, BANDWIDTH_READS)
+    target_bytes, drafter_bytes = target_bytes_per_forward(target), drafter_bytes_per_step(drafter, target)
+    return {"bytes_per_s": bytes_per_s, "torch_threads": torch.get_num_threads(), "tensor_gib": BANDWIDTH_GIB,
+            "reads": BANDWIDTH_READS, "target_bytes": target_bytes, "drafter_bytes": drafter_bytes,
+            "t_target_s": target_bytes / bytes_per_s, "t_draft_s": drafter_bytes / bytes_per_s}
+
+
+def bandwidth_row(row: dict, bandwidth: dict) -> dict:
+    """A C = 1 row's bandwidth bound (tau from the row) and its ratio over it; None at other levels."""
+    if row["concurrency"] != 1:
+        return {"bandwidth_bound": None, "ratio_over_bandwidth_bound": None, "alone_s_per_token": None}
+    bound = speedup_bound(row["tau_bound"], bandwidth["t_target_s"], bandwidth["t_draft_s"], row["depth"])
+    return {"bandwidth_bound": bound, "ratio_over_bandwidth_bound": row["ratio"] / bound,
+            "alone_s_per_token": 1 / row["target_alone_tok_s"]}
 
 
 def summarise(c: int, spec: list, plain: list) -> dict:
@@ -228,25 +337,50 @@ def batch_note(spec: float | None, plain: float | None) -> str:
 
 
 def print_table(rows: list[dict], engine: str, args, prompts: int) -> None:
-    print(f"{engine}, fp32 greedy, depth {args.depth}, {prompts} prompts x {args.max_new_tokens} tokens, "
+    depths = ", ".join(map(str, args.depths))
+    print(f"{engine}, fp32 greedy, depth {depths}, {prompts} prompts x {args.max_new_tokens} tokens, "
           f"median of {args.repeats}")
-    print(f"{'C':>3} {'spec tok/s':>11} {'spec batch':>11} {'alone tok/s':>12} {'alone batch':>12} {'ratio':>6} "
-          f"{'(range)':>13} {'bound tau':>10} {'ratio/tau':>10} {'seed':>6} {'same tokens':>12}  note")
+    print(f"{'depth':>5} {'C':>3} {'spec tok/s':>11} {'spec batch':>11} {'alone tok/s':>12} {'alone batch':>12} "
+          f"{'ratio':>6} {'(range)':>13} {'bound tau':>10} {'ratio/tau':>10} {'bw bound':>9} {'ratio/bw':>9} "
+          f"{'seed':>6} {'same tokens':>12}  note")
     for r in rows:
         seed = f"{r['seed_ratio']:.2f}" if r["seed_ratio"] else "-"
         low, high = r["ratio_range"]
         same = f"{r['same_tokens']}/{r['prompts']}"
         batch = lambda b: "-" if b is None else f"{b:.1f}"  # noqa: E731
-        print(f"{r['concurrency']:>3} {r['speculation_tok_s']:>11.1f} {batch(r['speculation_mean_batch']):>11} "
+        figure = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"{r['depth']:>5} {r['concurrency']:>3} {r['speculation_tok_s']:>11.1f} "
+              f"{batch(r['speculation_mean_batch']):>11} "
               f"{r['target_alone_tok_s']:>12.1f} {batch(r['target_alone_mean_batch']):>12} "
               f"{r['ratio']:>6.2f} {f'{low:.2f}-{high:.2f}':>13} {r['tau_bound']:>10.3f} {r['ratio_over_bound']:>10.2f} "
+              f"{figure(r['bandwidth_bound']):>9} {figure(r['ratio_over_bandwidth_bound']):>9} "
               f"{seed:>6} {same:>12}  {r['batch_note']}")
     print("batch: mean sequences per backend call over every call of a measurement (vLLM: requests advanced per "
           "engine step, from its /metrics counters; median of the repeats; '-': not "
           f"measured); a ratio compares speculation with the target alone where the two are within "
           f"{BATCH_TOLERANCE:.0%}, else its note says why not.")
     print("bound: tau, tokens per target forward (this run; vLLM: its /metrics): the speed-up if drafting were free and "
-          "a verify step cost one decode step; seed: Kimi-K2.6-NVFP4 on GB200, for scale only\n")
+          "a verify step cost one decode step; bw bound (C = 1): tau * t_target / (t_target + depth * t_draft), the "
+          "speed-up of a bandwidth-bound engine once drafting is paid for (below); seed: Kimi-K2.6-NVFP4 on GB200, "
+          "for scale only\n")
+
+
+def print_bandwidth(bandwidth: dict, tables: dict) -> None:
+    """The bandwidth bound's figures, and how close each engine's target alone came to it at C = 1."""
+    gb = 1e9
+    print(f"memory bandwidth: {bandwidth['bytes_per_s'] / gb:.1f} GB/s (torch.sum over a {bandwidth['tensor_gib']:g} "
+          f"GiB fp32 tensor, best of {bandwidth['reads']}, {bandwidth['torch_threads']} torch threads: this process's "
+          "default, which the vLLM engine keeps; measured before any engine started)")
+    print(f"target: {bandwidth['target_bytes'] / gb:.3f} GB a forward (fp32, tied embedding once, lookup one row) -> "
+          f"t_target {bandwidth['t_target_s'] * 1e3:.2f} ms")
+    print(f"drafter: {bandwidth['drafter_bytes'] / gb:.4f} GB a draft step (fp32: fc, decoder layer, norms, lm_head "
+          f"over the draft vocabulary, one target embedding row) -> t_draft {bandwidth['t_draft_s'] * 1e3:.2f} ms")
+    for runtime, table in tables.items():
+        alone = next((r["alone_s_per_token"] for r in table["rows"] if r["alone_s_per_token"] is not None), None)
+        if alone is not None:
+            print(f"{runtime}: target alone at C = 1: {alone * 1e3:.2f} ms per output token (prefill included) = "
+                  f"{alone / bandwidth['t_target_s']:.2f} x t_target (1.00: bandwidth-bound)")
+    print("bw bound assumes the verify forward (depth + 1 tokens) costs a decode step; KV-cache reads not counted\n")
 
 
 def draw(tables: dict, path: Path) -> None:
@@ -258,12 +392,20 @@ def draw(tables: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     levels, top = [], 2.1
     for (runtime, table), marker in zip(tables.items(), "o^"):
-        rows = table["rows"]
-        levels = [r["concurrency"] for r in rows]
-        line, = ax.plot(levels, [r["ratio"] for r in rows], f"{marker}-", label=f"{runtime}: speculation / target alone")
-        ax.plot(levels, [r["tau_bound"] for r in rows], f"{marker}:", color=line.get_color(), alpha=0.6,
-                label=f"{runtime}: bound tau (this run)")
-        top = max(top, *(r["tau_bound"] for r in rows))
+        depths = sorted({r["depth"] for r in table["rows"]})
+        for depth in depths:
+            rows = [r for r in table["rows"] if r["depth"] == depth]
+            name = f"{runtime}, depth {depth}" if len(depths) > 1 else runtime
+            levels = [r["concurrency"] for r in rows]
+            line, = ax.plot(levels, [r["ratio"] for r in rows], f"{marker}-",
+                            label=f"{name}: speculation / target alone")
+            ax.plot(levels, [r["tau_bound"] for r in rows], f"{marker}:", color=line.get_color(), alpha=0.6,
+                    label=f"{name}: bound tau (this run)")
+            bounds = [(r["concurrency"], r["bandwidth_bound"]) for r in rows if r["bandwidth_bound"] is not None]
+            if bounds:
+                ax.plot(*zip(*bounds), "x", color=line.get_color(), markersize=9,
+                        label=f"{name}: bandwidth bound at C = 1")
+            top = max(top, *(max(r["tau_bound"], r["ratio"]) for r in rows))  # a noisy ratio may pass tau
     seed = sorted(SEED_SPEEDUP.items())
     ax.plot([c for c, _ in seed], [r for _, r in seed], "s--", color="tab:green", label="seed: Kimi-K2.6-NVFP4, vLLM, GB200")
     ax.axhline(1.0, color="black", linewidth=0.6)
