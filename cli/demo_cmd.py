@@ -85,7 +85,28 @@ def _render(console: Console, result) -> None:
         console.print(table)
         console.print(f"tau by context: tokens per target forward over a length's prompts; the target stretched to "
                       f"32768 positions by yarn; drafters: {result.context_drafters} (tau_by_context.json, .png)")
+    for name, rows in result.claims.items():
+        console.print(_claims_table(name, rows))
+    if result.claims:
+        console.print("the seed's claims: a few prompts of each row (claims_prompts.json beside the pair); the full "
+                      "tables, with enough prompts to tell the drafters apart, are the pair's evaluation "
+                      "(examples/smollm2/README.md); claims.json, tau_by_context.png, tau_by_template.png")
     console.print(f"artifacts, parity report and plots in {result.out}")
+
+
+def _claims_table(name: str, rows) -> Table:
+    """EAGLE-3 against EAGLE 3.1 on one claims table (context lengths, prompt formats), at CLAIMS_DEPTH."""
+    from eagle31_export.demo.run import CLAIMS_DEPTH
+
+    table = Table(title=f"tau by {name}: EAGLE-3 vs EAGLE 3.1 (depth {CLAIMS_DEPTH}, mean ± standard error over "
+                        "prompts; the difference paired over the same prompts)")
+    for col in (name, "prompts", "mean tokens", "EAGLE-3", "EAGLE 3.1", "3.1 - 3"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row.label, str(len(row.prompt_tokens)), f"{sum(row.prompt_tokens) / len(row.prompt_tokens):.0f}",
+                      f"{row.tau('EAGLE-3', CLAIMS_DEPTH)}", f"{row.tau('EAGLE 3.1', CLAIMS_DEPTH)}",
+                      f"{row.difference('EAGLE-3', 'EAGLE 3.1', CLAIMS_DEPTH):+.3f}")
+    return table
 
 
 def _verdict(report) -> str:

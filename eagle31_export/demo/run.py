@@ -1,6 +1,8 @@
 """The demo: an embedded pair through inspect, NVFP4, every export that runs here, parity on
-ONNX Runtime, EAGLE-3 vs EAGLE 3.1 acceptance at depths 1..6, and (a pair with text) by context
-length over the pair stretched to long context (demo/long_pair.py).
+ONNX Runtime, EAGLE-3 vs EAGLE 3.1 acceptance at depths 1..6 (every depth from one greedy text a
+prompt: parity/chains.py), and (a pair with text) by context length over the pair stretched to long
+context (demo/long_pair.py); a pair with CLAIMS_FILE (the real pair) also by context length and by
+prompt format on its own prompts.
 
 The library only computes and writes files; `cli/demo_cmd.py` draws the progress and tables.
 """
@@ -8,7 +10,7 @@ The library only computes and writes files; `cli/demo_cmd.py` draws the progress
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -17,7 +19,8 @@ from eagle31_export.demo.pair import DRAFTERS, TARGET, TARGET_NVFP4, EmbeddedPai
 from eagle31_export.errors import MissingRuntimeError
 from eagle31_export.formats.outputs import atomic_output_dir
 from eagle31_export.inspection import inspect_path
-from eagle31_export.parity.acceptance import tau_by_depth, teacher_forced_agreement
+from eagle31_export.parity.acceptance import teacher_forced_agreement
+from eagle31_export.parity.claims import SetResult, measure_sets, plot_sets
 from eagle31_export.parity.compare import ParityReport, run_parity
 from eagle31_export.parity.context import context_prompts
 from eagle31_export.parity.report import write_report
@@ -30,6 +33,9 @@ NEW_TOKENS = 32
 CONTEXT = (1024, 2048, 4096, 8192)  # tau by context: CONTEXT_PROMPTS held-out prompts a length
 CONTEXT_PROMPTS = 3
 CONTEXT_DEPTH = 3
+CLAIMS_FILE = "claims_prompts.json"  # a pair's prompt sets for the seed's claims: {"context": {length: [ids]}, ...}
+CLAIMS_TABLES = ("context", "template")
+CLAIMS_DEPTH = 3
 STEPS = 8  # progress units: inspect, exports, parity, vLLM, one per measured (target, drafter), context
 
 
@@ -44,6 +50,7 @@ class DemoResult:
     agreement: dict[tuple[str, str], list[float]]
     context_taus: dict[str, dict[int, float]]  # drafter -> context length -> tau ({}: a pair without text)
     context_drafters: str = ""  # which drafters tau by context measured (long-trained, or stretched)
+    claims: dict = field(default_factory=dict)  # table -> [SetResult]: the pair's own claims prompts, if any
 
 
 def run_demo(out: Path, pair_dir: Path, force: bool = True,
@@ -73,10 +80,11 @@ def run_demo(out: Path, pair_dir: Path, force: bool = True,
         taus, agreement = {}, {}
         windows = pair.agreement_windows(256 + max(DEPTHS))
         for target in (TARGET, TARGET_NVFP4):
-            for label in DRAFTERS:
-                speculator = load_speculator("reference", PairSource.of(pair.drafter(label), pair.folder / target))
-                taus[(target, label)] = tau_by_depth(speculator, prompts, DEPTHS, NEW_TOKENS)
-                agreement[(target, label)] = teacher_forced_agreement(speculator.pair, windows, max(DEPTHS)).per_position
+            pairs = reference_pairs(pair, pair.folder / target)
+            [by_depth] = measure_sets(pairs, {"demo": prompts}, DEPTHS, NEW_TOKENS)  # every depth from one text
+            for label, reference_pair in pairs.items():
+                taus[(target, label)] = {d: by_depth.tau(label, d).mean for d in DEPTHS}
+                agreement[(target, label)] = teacher_forced_agreement(reference_pair, windows, max(DEPTHS)).per_position
                 advance(f"{label} on {target}", 0.75)
         (tmp / "tau.json").write_text(json.dumps([{"target": t, "drafter": d, "tau_by_depth": v,
                                                    "teacher_forced_agreement": agreement[(t, d)]}
@@ -84,9 +92,35 @@ def run_demo(out: Path, pair_dir: Path, force: bool = True,
         _plot_taus(taus, tmp / "tau_by_depth.png",
                    f"{pair.name} pair, {'held-out text' if pair.has_text else 'its prompts'}, greedy")
         context = _tau_by_context(pair, tmp) if pair.has_text else {"tau_by_context": {}, "drafters": ""}
+        claims = _claims(pair, tmp)
         advance("context", 1)
     return DemoResult(out, reports, exports, parity, vllm, taus, agreement, context["tau_by_context"],
-                      context["drafters"])
+                      context["drafters"], claims)
+
+
+def reference_pairs(pair: EmbeddedPair, target: Path) -> dict:
+    """Each drafter of the pair with `target`, as the reference runtime loads them."""
+    return {label: load_speculator("reference", PairSource.of(pair.drafter(label), target)).pair for label in DRAFTERS}
+
+
+def _claims(pair: EmbeddedPair, tmp: Path) -> dict[str, list[SetResult]]:
+    """The seed's robustness claims on the pair's own prompt sets (CLAIMS_FILE, where it has one: a few
+    prompts of each row of its full evaluation, e.g. examples/smollm2/evaluate.py), both drafters on the
+    target, greedy: {table: [one SetResult a row]}, written to claims.json and drawn."""
+    path = pair.folder / CLAIMS_FILE
+    if not path.is_file():
+        return {}
+    sets = json.loads(path.read_text())
+    pairs = reference_pairs(pair, pair.target)
+    results = {table: measure_sets(pairs, sets[table], DEPTHS, NEW_TOKENS) for table in CLAIMS_TABLES}
+    (tmp / "claims.json").write_text(json.dumps({"depth": CLAIMS_DEPTH, "new_tokens": NEW_TOKENS, "source": sets["source"],
+                                                 **{t: [r.to_json(DEPTHS) for r in rs] for t, rs in results.items()}},
+                                                indent=1) + "\n")
+    plot_sets(results["context"], CLAIMS_DEPTH, tmp / "tau_by_context.png",
+              f"{pair.name}: tau by context", "context (positions: prompt + answer)", log2_x=True)
+    plot_sets(results["template"], CLAIMS_DEPTH, tmp / "tau_by_template.png",
+              f"{pair.name}: tau by prompt format", "the same user turn")
+    return results
 
 
 def _tau_by_context(pair: EmbeddedPair, tmp: Path) -> dict:

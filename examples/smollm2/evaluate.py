@@ -60,6 +60,8 @@ LONG_SYSTEM = (
     "its behaviour as if cataloguing an instrument: its purpose, its inputs, its outputs, its failure "
     "modes, in that order. Spell in British English. If a question cannot be answered from what you were "
     "given, say so plainly and suggest which document the Guild's archive would hold the answer in.")
+DEMO_PROMPTS_FILE = MODELS / "claims_prompts.json"
+DEMO_DOCUMENTS, DEMO_CONTEXTS, DEMO_TEMPLATE_PROMPTS = 2, (512, 2048, 8192), 4
 READ_QUESTION = "Summarize what this file does and name its most important classes and functions."
 
 
@@ -199,7 +201,22 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tables", default="depth,context,template,diagnose")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", type=Path, default=HERE / "claims")
+    ap.add_argument("--write-demo-prompts", action="store_true",
+                    help=f"write {DEMO_PROMPTS_FILE.relative_to(HERE)} (what `demo --pair` measures of these tables) and stop")
     return ap.parse_args()
+
+
+def write_demo_prompts(tokenizer, room: int) -> None:
+    """A few prompts of the context and template tables, for the demo: the first DEMO_DOCUMENTS documents
+    at DEMO_CONTEXTS, the first DEMO_TEMPLATE_PROMPTS prompts in every format."""
+    documents = long_documents(tokenizer, DEMO_DOCUMENTS, max(DEMO_CONTEXTS))
+    record = {"source": f"examples/smollm2/evaluate.py --write-demo-prompts: {DEMO_DOCUMENTS} held-out documents at "
+                        f"{', '.join(map(str, DEMO_CONTEXTS))} positions, {DEMO_TEMPLATE_PROMPTS} held-out chat "
+                        "prompts in 4 formats (the full tables: examples/smollm2/README.md)",
+              "context": context_sets(tokenizer, documents, DEMO_CONTEXTS, room),
+              "template": template_variants(tokenizer, held_out_prompts(tokenizer, DEMO_TEMPLATE_PROMPTS))}
+    DEMO_PROMPTS_FILE.write_text(json.dumps(record, separators=(",", ":")) + "\n")
+    print(f"wrote {DEMO_PROMPTS_FILE}")
 
 
 def main() -> None:
@@ -207,10 +224,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     tables = set(args.tables.split(","))
-    pairs = {label: load_pair(folder, TARGET) for label, folder in DRAFTERS.items()}
     tokenizer = prompt_builder_tokenizer()
+    if args.write_demo_prompts:
+        return write_demo_prompts(tokenizer, args.new_tokens + max(DEPTHS) + 1)
     chat = held_out_prompts(tokenizer, max(args.prompts, args.template_prompts, args.diagnose_prompts))
     args.out.mkdir(parents=True, exist_ok=True)
+    pairs = {label: load_pair(folder, TARGET) for label, folder in DRAFTERS.items()}
     record = {"command": " ".join(["python", "examples/smollm2/evaluate.py", *sys.argv[1:]]), "depths": list(DEPTHS),
               "new_tokens": args.new_tokens, "headline_depth": HEADLINE_DEPTH, "seconds": {}}
     measure = lambda sets: measure_sets(pairs, sets, DEPTHS, args.new_tokens,  # noqa: E731
