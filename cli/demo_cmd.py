@@ -86,7 +86,7 @@ def _render(console: Console, result) -> None:
         console.print(f"tau by context: tokens per target forward over a length's prompts; the target stretched to "
                       f"32768 positions by yarn; drafters: {result.context_drafters} (tau_by_context.json, .png)")
     for name, rows in result.claims.items():
-        console.print(_claims_table(name, rows))
+        console.print(_claims_table({"template": "prompt format"}.get(name, name), rows))
     if result.claims:
         console.print("the seed's claims: a few prompts of each row (claims_prompts.json beside the pair); the full "
                       "tables, with enough prompts to tell the drafters apart, are the pair's evaluation "
