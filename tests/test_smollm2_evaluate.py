@@ -57,7 +57,7 @@ def test_context_prompts_fill_their_length_less_the_answers_room(evaluate, token
 def test_the_script_measures_every_table_on_a_few_prompts(tmp_path):
     out = tmp_path / "claims"
     run = subprocess.run([sys.executable, str(SCRIPT), "--prompts", "2", "--template-prompts", "2", "--documents", "2",
-                          "--contexts", "512,1024", "--diagnose-prompts", "1", "--new-tokens", "12", "--out", str(out)],
+                          "--contexts", "512,1024", "--diagnose-prompts", "1", "--new-tokens", "8", "--out", str(out)],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads((out / "claims.json").read_text())
