@@ -20,7 +20,7 @@ import torch
 
 from eagle31_export.reference.drafter import Eagle3Drafter
 from eagle31_export.reference.speculate import PREFILL_CHUNK
-from eagle31_export.reference.statistics import acceptance_length, per_position_acceptance
+from eagle31_export.reference.statistics import acceptance_length
 from eagle31_export.reference.target import ReferenceTarget
 from eagle31_export.reference.ttt import ttt_forward
 
@@ -95,10 +95,6 @@ class DepthAcceptance:
     @property
     def tau(self) -> float:
         return acceptance_length(sum(self.accepted_per_step), len(self.accepted_per_step))
-
-    @property
-    def per_position(self) -> list[float]:
-        return per_position_acceptance(self.accepted_per_step, self.depth)
 
 
 def acceptance_by_depth(drafter: Eagle3Drafter, text: GreedyText, depths, new_tokens: int) -> dict[int, DepthAcceptance]:

@@ -12,6 +12,7 @@ from typing import Callable
 
 from eagle31_export.parity.chains import DepthAcceptance, acceptance_by_depth, greedy_text
 from eagle31_export.reference.pair import ReferencePair
+from eagle31_export.reference.statistics import per_position_acceptance
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,7 @@ class SetResult:
 
     def acceptance(self, drafter: str, depth: int) -> list[float]:
         """Per draft position, accepted rounds over all rounds of all the set's prompts."""
-        rounds = [a for run in self.runs[drafter] for a in run[depth].accepted_per_step]
-        return [sum(a >= k for a in rounds) / len(rounds) for k in range(1, depth + 1)]
+        return per_position_acceptance([a for run in self.runs[drafter] for a in run[depth].accepted_per_step], depth)
 
     def to_json(self, depths) -> dict:
         return {"label": self.label, "prompts": len(self.prompt_tokens),
