@@ -23,7 +23,10 @@ difference's margin in units of its measured error.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import random
 import sys
 import tempfile
 import time
@@ -77,14 +80,19 @@ def old_rule_fails(ref, run, gap: float, drafts_reported: bool) -> bool:
 
 
 def one_run(reference, runtime, measurer, prompts, tokens: int, fp4: bool, name: str, faithful_ratios: list):
-    """(new verdict fails with drafts, new fails on counts only, old fails with drafts, old on counts)."""
+    """(new verdict fails with drafts, new fails on counts only, old fails with drafts, old on counts), and
+    the prompts it compared. The run stops early once all four have failed for good: an untied
+    difference fails a report whatever its other prompts hold (parity/compare.py: _failures), and the
+    old rule has no budget, so the verdicts are those of the whole run."""
     thresholds = Thresholds(fp4_activations=fp4)
     reports = {seen: ParityReport("reference", DEPTH, 0.0, reference.exact and runtime.exact, thresholds, "replay",
                                   drafts_reported=seen) for seen in (True, False)}
     old = {True: False, False: False}
+    compared = 0
     for i, prompt in enumerate(prompts):
         run = runtime.run(prompt, tokens, DEPTH)
         ref, measured = measurer.replay(reference, prompt, run)
+        compared += 1
         for seen, report in reports.items():
             shown = run if seen else type(run)(run.tokens, [], run.accepted_per_step, run.depth)
             report.rows.append(compare_prompt(i, prompt, ref, shown, None, 1.0, seen, measured=measured, k=K))
@@ -92,12 +100,14 @@ def one_run(reference, runtime, measurer, prompts, tokens: int, fp4: bool, name:
             if seen and faithful_ratios is not None:
                 faithful_ratios += [d.gap / d.error for d in divergences(ref, shown, measured, K, shown.drafts) or []
                                     if d.error and math.isfinite(d.gap) and d.gap > 0]
+        if all(old.values()) and all(any(row.untied for row in r.rows) for r in reports.values()):
+            break
     out = []
     for seen, report in reports.items():
         report.failures = _failures(report)
         _summarize(report, measurer)
         out.append(bool(report.failures))
-    return out + [old[True], old[False]]
+    return out + [old[True], old[False]], compared
 
 
 def bound(hits: int, n: int, detection: bool) -> str:
@@ -118,54 +128,77 @@ def _clopper_lower(k: int, n: int, alpha: float = 0.05) -> float:
     return lo
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=20, help="runs per sabotage and precision")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per run")
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--quick", action="store_true", help="5 runs a cell: minutes, not hours")
-    parser.add_argument("--precision", action="append", choices=list(PRECISIONS))
-    parser.add_argument("--sabotage", action="append", choices=list(SABOTAGES))
-    args = parser.parse_args()
-    runs = 5 if args.quick else args.runs
-    torch.set_num_threads(1)
-    need = runs * args.prompts
-    pool = PAIR.held_out_prompts(48, per_text=max(8, need // 10 + 1))  # windows evenly spaced over each text
-    prompts = [pool[(i * 7919) % len(pool)] for i in range(need)]  # each run's from all over the held-out text
-    print(f"{runs} runs a cell, {args.prompts} held-out prompts a run ({len(pool)} windows), {args.tokens} tokens, "
-          f"depth {DEPTH}, K = {K:g}")
+CONTEXT = 48  # prompt tokens: a window of held-out text
+
+
+def prompt_windows(tokens: int) -> list[list[int]]:
+    """Every held-out text cut into windows that do not overlap, prompt and generated text included
+    (CONTEXT + tokens apart), in a fixed shuffled order: runs draw distinct prompts from all over the
+    texts, and run r of every cell the same ones."""
+    tokenizer, stride = PAIR.tokenizer(), CONTEXT + tokens
+    out = []
+    for text in PAIR.held_out_texts():
+        ids = tokenizer(text)["input_ids"]
+        out += [ids[i:i + CONTEXT] for i in range(0, len(ids) - stride + 1, stride)]
+    random.Random(0).shuffle(out)
+    return out
+
+
+def read_records(folder: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(folder.glob("*.jsonl")) for line in f.read_text().splitlines() if line]
+
+
+def measure_cell(name: str, sabotage: str, runs: int, args, prompts, done: set, out_file: Path, tmp: Path) -> None:
+    dtype, fp4, target_name = PRECISIONS[name]
+    todo = [r for r in range(runs) if (name, sabotage, args.prompts, args.tokens, r) not in done]
+    if not todo:
+        return
+    target = PAIR.folder / target_name
+    reference = load_speculator("reference", PairSource.of(EAGLE31, target), LoadOptions(act_quant=fp4))
+    measurer = measurer_for(reference, dtype == torch.float32, dtype, fp4)
+    if name == NO_BAND:
+        measurer.fp4_band = None
+    drafter = write_drafter(SABOTAGES[sabotage](read_drafter(EAGLE31)), tmp / f"{name}-{sabotage}".replace(" ", "_"),
+                            "specforge")
+    runtime = load_speculator("reference", PairSource.of(drafter, target), LoadOptions(dtype=dtype, act_quant=fp4))
+    faithful = sabotage == "faithful"
+    with out_file.open("a") as out:
+        for r in todo:
+            start, ratios = time.perf_counter(), []
+            measurer.measured.clear()
+            verdicts, compared = one_run(reference, runtime, measurer, prompts[r * args.prompts:(r + 1) * args.prompts],
+                                         args.tokens, fp4, name, ratios if faithful else None)
+            record = {"precision": name, "sabotage": sabotage, "prompts": args.prompts, "tokens": args.tokens,
+                      "run": r, "verdicts": verdicts, "compared": compared,
+                      "seconds": round(time.perf_counter() - start, 2)}
+            if faithful:
+                record["z"] = [round(v, 3) for m in measurer.measured for v in m.z]
+                record["ratios"] = [round(v, 3) for v in ratios]
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+
+def print_table(records: list[dict], args) -> None:
     print(f"{'precision':17} {'sabotage':20} {'runs':>4} | {'new: drafts':>11} {'95% bound':>9} {'new: counts':>11} "
-          f"{'95% bound':>9} | {'old: drafts':>11} {'old: counts':>11} | {'s':>5}")
-    ratios: list[float] = []
-    z_all: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.precision or PRECISIONS:
-            dtype, fp4, target_name = PRECISIONS[name]
-            target = PAIR.folder / target_name
-            reference = load_speculator("reference", PairSource.of(EAGLE31, target), LoadOptions(act_quant=fp4))
-            measurer = measurer_for(reference, dtype == torch.float32, dtype, fp4)
-            if name == NO_BAND:
-                measurer.fp4_band = None
-            for sabotage in args.sabotage or SABOTAGES:
-                drafter = write_drafter(SABOTAGES[sabotage](read_drafter(EAGLE31)),
-                                        Path(tmp) / f"{name}-{sabotage}".replace(" ", "_"), "specforge")
-                runtime = load_speculator("reference", PairSource.of(drafter, target),
-                                          LoadOptions(dtype=dtype, act_quant=fp4))
-                faithful = sabotage == "faithful"
-                start, counts = time.perf_counter(), [0, 0, 0, 0]
-                for r in range(runs):
-                    measurer.measured.clear()
-                    verdicts = one_run(reference, runtime, measurer, prompts[r * args.prompts:(r + 1) * args.prompts],
-                                       args.tokens, fp4, name, ratios if faithful else None)
-                    if faithful:
-                        z_all += [v for m in measurer.measured for v in m.z]
-                    counts = [c + v for c, v in zip(counts, verdicts)]
-                shown = [f"{c}/{runs}" for c in counts]
-                print(f"{name:17} {sabotage:20} {runs:4d} | {shown[0]:>11} {bound(counts[0], runs, not faithful):>9} "
-                      f"{shown[1]:>11} {bound(counts[1], runs, not faithful):>9} | {shown[2]:>11} {shown[3]:>11} | "
-                      f"{time.perf_counter() - start:5.0f}", flush=True)
+          f"{'95% bound':>9} | {'old: drafts':>11} {'old: counts':>11} | {'prompts':>7} {'s':>6}")
+    z_all, ratios = [], []
+    for name in args.precision or PRECISIONS:
+        for sabotage in args.sabotage or SABOTAGES:
+            cell = [r for r in records if (r["precision"], r["sabotage"], r["prompts"], r["tokens"])
+                    == (name, sabotage, args.prompts, args.tokens)]
+            if not cell:
+                continue
+            n, faithful = len(cell), sabotage == "faithful"
+            counts = [sum(r["verdicts"][i] for r in cell) for i in range(4)]
+            z_all += [v for r in cell for v in r.get("z", [])]
+            ratios += [v for r in cell for v in r.get("ratios", [])]
+            shown = [f"{c}/{n}" for c in counts]
+            print(f"{name:17} {sabotage:20} {n:4d} | {shown[0]:>11} {bound(counts[0], n, not faithful):>9} "
+                  f"{shown[1]:>11} {bound(counts[1], n, not faithful):>9} | {shown[2]:>11} {shown[3]:>11} | "
+                  f"{sum(r['compared'] for r in cell) / n:7.1f} {sum(r['seconds'] for r in cell):6.0f}")
     print("(failing runs out of runs: detections for a sabotage, false alarms for the faithful drafter; the bound is "
-          "the one-sided 95 % lower bound of detection, upper bound of false alarms)")
+          "the one-sided 95 % lower bound of detection, upper bound of false alarms; prompts: the mean compared a "
+          "run, less than a run's prompts where all four verdicts had failed for good before its last)")
     for label, xs in (("z = |top-2 margin shift| / e, faithful decisions", z_all),
                       ("faithful differences' margin / e", ratios)):
         xs = sorted(xs)
@@ -173,6 +206,38 @@ def main() -> None:
             q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
             print(f"{label}: n {len(xs)}, median {q(0.5):.2f}, p99 {q(0.99):.2f}, p99.9 {q(0.999):.2f}, "
                   f"max {xs[-1]:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20, help="runs per sabotage and precision")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per run (parity's default: 8)")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens a prompt (parity's default: 32)")
+    parser.add_argument("--quick", action="store_true", help="5 runs a cell: minutes, not hours")
+    parser.add_argument("--precision", action="append", choices=list(PRECISIONS))
+    parser.add_argument("--sabotage", action="append", choices=list(SABOTAGES))
+    parser.add_argument("--records", type=Path, help="a folder of run records (JSONL) to resume and add to; "
+                        "several processes may share it (one file each); default: a temporary one")
+    parser.add_argument("--table", action="store_true", help="print the table of --records only, run nothing")
+    args = parser.parse_args()
+    runs = 5 if args.quick else args.runs
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.records or Path(tmp) / "records"
+        folder.mkdir(parents=True, exist_ok=True)
+        if not args.table:
+            prompts = prompt_windows(args.tokens)
+            if runs * args.prompts > len(prompts):
+                sys.exit(f"{runs} runs of {args.prompts} prompts need {runs * args.prompts} distinct windows; the "
+                         f"held-out text has {len(prompts)}: fewer --runs or --prompts")
+            print(f"{runs} runs a cell, {args.prompts} distinct held-out prompts a run ({len(prompts)} windows of "
+                  f"{CONTEXT} tokens), {args.tokens} tokens, depth {DEPTH}, K = {K:g}", flush=True)
+            done = {(r["precision"], r["sabotage"], r["prompts"], r["tokens"], r["run"]) for r in read_records(folder)}
+            out_file = folder / f"{os.getpid()}.jsonl"
+            for name in args.precision or PRECISIONS:
+                for sabotage in args.sabotage or SABOTAGES:
+                    measure_cell(name, sabotage, runs, args, prompts, done, out_file, Path(tmp))
+        print_table(read_records(folder), args)
 
 
 if __name__ == "__main__":
