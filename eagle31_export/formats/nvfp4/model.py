@@ -33,6 +33,9 @@ from eagle31_export.formats.safetensors_io import upcasts_exactly
 DEQUANT_CHUNK_BYTES = 64 << 20
 # Bound on `dequantize`'s int64 code temporaries while one block of the weight is decoded.
 _DEQUANT_TEMP_BYTES = 16 << 20
+# A quantized Linear whose dense weight is at most this many bytes keeps it after its first call:
+# small models' forwards are otherwise dominated by decoding (a large one's memory is what packing saves).
+DENSE_CACHE_BYTES = 1 << 20
 
 
 class ActQuantLinear(nn.Linear):
@@ -73,6 +76,7 @@ class NVFP4Linear(nn.Module):
         self.bias = linear.bias
         # A Python float, as in ActQuantLinear: a dtype cast of the model must not round it.
         self.input_global_scale = None if input_global_scale is None else float(input_global_scale)
+        self._dense: tuple | None = None  # (dtype, device, codes' storage, weight): the last small weight decoded
 
     def dense_weight(self, dtype: torch.dtype, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows start:stop of the dequantized weight [out, in] in `dtype` (what the dense model holds).
@@ -94,13 +98,22 @@ class NVFP4Linear(nn.Module):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         rows = max(1, DEQUANT_CHUNK_BYTES // max(1, self.in_features * x.dtype.itemsize))
         if self.out_features <= rows:
-            return F.linear(x, self.dense_weight(x.dtype), bias)
+            return F.linear(x, self._whole_weight(x.dtype), bias)
         out = x.new_empty(*x.shape[:-1], self.out_features)
         for start in range(0, self.out_features, rows):
             stop = min(start + rows, self.out_features)
             w = self.dense_weight(x.dtype, start, stop)
             out[..., start:stop] = F.linear(x, w, None if bias is None else bias[start:stop])
         return out
+
+    def _whole_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight, decoded again only when it is large or the codes, dtype or device changed."""
+        if self.out_features * self.in_features * dtype.itemsize > DENSE_CACHE_BYTES:
+            return self.dense_weight(dtype)
+        key = (dtype, self.weight_packed.device, self.weight_packed.data_ptr())
+        if self._dense is None or self._dense[:3] != key:
+            self._dense = (*key, self.dense_weight(dtype))
+        return self._dense[3]
 
     def extra_repr(self) -> str:
         scale = "" if self.input_global_scale is None else f", input_global_scale={self.input_global_scale:.6g}"
