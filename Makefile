@@ -58,9 +58,10 @@ demo-smollm2: smollm2-nvfp4
 demo: setup
 	$(if $(wildcard $(VLLM_STAMP)),EAGLE31_VLLM=$(VLLM_VENV) )$(VENV)/bin/eagle31-export demo --pair examples/tiny/models --out out/demo
 
-# EAGLE31_REQUIRE_VLLM: the vLLM tests fail, not skip, where the engine cannot be found
+# EAGLE31_REQUIRE_VLLM: the vLLM tests fail, not skip, where the engine cannot be found;
+# --durations: the slowest tests, where the suite's time goes
 test: setup setup-vllm smollm2-target
-	EAGLE31_VLLM=$(VLLM_VENV) EAGLE31_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
+	EAGLE31_VLLM=$(VLLM_VENV) EAGLE31_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=40 tests
 
 # while working: everything but the tests marked `engine` (real vLLM / Triton engines, minutes each);
 # `make test` stays the whole suite, and what CI runs
