@@ -4,20 +4,32 @@ and, beside it, under the old constant tie gaps (1e-4 fp32, 0.25 bf16, 1.0 bf16 
 no tie budget).
 
     .venv/bin/python benchmarks/verdict_power.py --quick          # a few minutes on 2 cores
-    .venv/bin/python benchmarks/verdict_power.py --runs 100       # the figures docs/runtimes.md quotes
+    .venv/bin/python benchmarks/verdict_power.py --runs 300 --records out/verdict_power \
+        --precision fp32 --precision bf16 --precision "bf16+FP4 act"   # docs/runtimes.md's table (hours)
 
 The runtime is our own: the reference pair's loop (`--runtime reference`) computing at the precision
 (fp32; bf16; bf16 or fp32 with FP4 activations on the NVFP4 target; the last also without the
-float64 measurement's FP4 rounding band, parity/numerics.py: FP4_ROUNDING_BAND, as the verdict was before it), over the faithful drafter or a sabotaged
-one (tests/parity/sabotage.py). It generates autoregressively, one verification forward a round, while
-parity's reference replays the whole sequence in one forward: at bf16 the two round differently,
-which is what a faithful engine's numerics look like to parity. Each run is `--prompts` held-out
-prompts of the tiny pair, a different window of its held-out text every run. Every run is judged
-twice: as our runtimes are (every draft compared) and as vLLM is (accepted counts only,
-`reports_drafts` False). Detection and false alarms are counted per cell, with a one-sided 95 %
-bound (the rule of three where nothing was missed). The distribution that K comes from is printed
-last: z = |top-2 margin shift| / measured error over every faithful decision, and each faithful
-difference's margin in units of its measured error.
+float64 measurement's FP4 rounding band, parity/numerics.py: FP4_ROUNDING_BAND, as the verdict was
+before it), over the faithful drafter or a sabotaged one (tests/parity/sabotage.py). It generates
+autoregressively, one verification forward a round, while parity's reference replays the whole
+sequence in one forward: at bf16 the two round differently, which is what a faithful engine's
+numerics look like to parity.
+
+A run is what `parity` does by default: 8 prompts, 32 new tokens each, depth 3. Its prompts are
+windows of the tiny pair's held-out text that overlap no other run's (prompt and generated text
+included), so runs are independent draws; run r of every cell gets the same ones. Every run is
+judged twice: as our runtimes are (every draft compared) and as vLLM is (accepted counts only,
+`reports_drafts` False). A run stops early once all four verdicts (measured and old rule, drafts
+and counts) have failed for good: an untied difference fails a report whatever its other prompts
+hold, and the old rule has no budget, so the verdicts are the whole run's. Detection and false
+alarms are counted per cell, with the exact one-sided 95 % binomial bound: 300 runs without a miss
+show a rate of at least 0.99, 300 without a false alarm at most 0.01.
+
+`--records FOLDER` keeps every run (one JSON line, one file per process): a stopped measurement
+resumes where it stopped, several processes (one per precision) share the folder, and `--table`
+prints the table from it. The distribution that K comes from is printed last: z = |top-2 margin
+shift| / measured error over every faithful decision, and each faithful difference's margin in
+units of its measured error.
 """
 
 from __future__ import annotations
