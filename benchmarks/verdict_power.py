@@ -39,6 +39,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -48,6 +49,7 @@ import torch
 
 from eagle31_export.demo.pair import DRAFTERS, TARGET, TARGET_NVFP4, EmbeddedPair
 from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
+from eagle31_export.formats.nvfp4.model import NVFP4Linear
 from eagle31_export.parity.compare import ParityReport, Thresholds, _failures, _summarize, compare_prompt
 from eagle31_export.parity.numerics import K, measurer_for
 from eagle31_export.parity.ties import divergences
@@ -68,6 +70,26 @@ PRECISIONS = {"fp32": (torch.float32, False, TARGET), "bf16": (torch.bfloat16, F
 SABOTAGES = {"faithful": lambda c: c, "taps shifted": lambda c: shift_aux_ids(c, 8), "fc_norm dropped": drop_fc_norm,
              "norm_output dropped": pre_norm_feedback, "d2t off by one": shift_d2t,
              "rope_theta x4": scale_rope_theta, "fc x 1.05": scale_fc}
+
+
+def ignore_input_scale(target: torch.nn.Module) -> None:
+    """A runtime quantizing activations under global scale 1, not 1 / input_scale."""
+    for module in target.modules():
+        if getattr(module, "input_global_scale", None) is not None:
+            module.input_global_scale = 1.0
+
+
+def reciprocal_global_scale(target: torch.nn.Module) -> None:
+    """A runtime reading each weight's global scale as its reciprocal (compressed-tensors' convention
+    for ModelOpt's, or the other way)."""
+    for module in target.modules():
+        if isinstance(module, NVFP4Linear):
+            module.weight_scale_2 = 1.0 / module.weight_scale_2
+
+
+# the one-sided NVFP4 scale conventions: the runtime's target reads the checkpoint otherwise (NVFP4 targets only)
+TARGET_SABOTAGES = {"input scale ignored": ignore_input_scale, "global scale reciprocal": reciprocal_global_scale}
+SABOTAGES.update({name: (lambda c: c) for name in TARGET_SABOTAGES})
 OLD_GAPS = {"fp32": 1e-4, "bf16": 0.25, "bf16+FP4 act": 1.0, "fp32+FP4 act": 1e-4, NO_BAND: 1e-4}
 DEPTH = 3
 
@@ -163,7 +185,7 @@ def read_records(folder: Path) -> list[dict]:
 def measure_cell(name: str, sabotage: str, runs: int, args, prompts, done: set, out_file: Path, tmp: Path) -> None:
     dtype, fp4, target_name = PRECISIONS[name]
     todo = [r for r in range(runs) if (name, sabotage, args.prompts, args.tokens, r) not in done]
-    if not todo:
+    if not todo or (sabotage in TARGET_SABOTAGES and target_name != TARGET_NVFP4):
         return
     target = PAIR.folder / target_name
     reference = load_speculator("reference", PairSource.of(EAGLE31, target), LoadOptions(act_quant=fp4))
@@ -172,7 +194,11 @@ def measure_cell(name: str, sabotage: str, runs: int, args, prompts, done: set, 
         measurer.fp4_band = None
     drafter = write_drafter(SABOTAGES[sabotage](read_drafter(EAGLE31)), tmp / f"{name}-{sabotage}".replace(" ", "_"),
                             "specforge")
+    if sabotage in TARGET_SABOTAGES:  # a copy: the loaded model is the runtime's alone, not shared by key
+        target = Path(shutil.copytree(target, tmp / f"{name}-{sabotage}-target".replace(" ", "_"), dirs_exist_ok=True))
     runtime = load_speculator("reference", PairSource.of(drafter, target), LoadOptions(dtype=dtype, act_quant=fp4))
+    if sabotage in TARGET_SABOTAGES:
+        TARGET_SABOTAGES[sabotage](runtime.target.model)
     faithful = sabotage == "faithful"
     with out_file.open("a") as out:
         for r in todo:

@@ -76,7 +76,7 @@ class NVFP4Linear(nn.Module):
         self.bias = linear.bias
         # A Python float, as in ActQuantLinear: a dtype cast of the model must not round it.
         self.input_global_scale = None if input_global_scale is None else float(input_global_scale)
-        self._dense: tuple | None = None  # (dtype, device, codes' storage, weight): the last small weight decoded
+        self._dense: tuple | None = None  # (dtype, device, codes' and scales' storage), weight: the last decoded
 
     def dense_weight(self, dtype: torch.dtype, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows start:stop of the dequantized weight [out, in] in `dtype` (what the dense model holds).
@@ -110,10 +110,11 @@ class NVFP4Linear(nn.Module):
         """The dense weight, decoded again only when it is large or the codes, dtype or device changed."""
         if self.out_features * self.in_features * dtype.itemsize > DENSE_CACHE_BYTES:
             return self.dense_weight(dtype)
-        key = (dtype, self.weight_packed.device, self.weight_packed.data_ptr())
-        if self._dense is None or self._dense[:3] != key:
-            self._dense = (*key, self.dense_weight(dtype))
-        return self._dense[3]
+        key = (dtype, self.weight_packed.device, self.weight_packed.data_ptr(), self.weight_scale.data_ptr(),
+               self.weight_scale_2.data_ptr())
+        if self._dense is None or self._dense[0] != key:
+            self._dense = (key, self.dense_weight(dtype))
+        return self._dense[1]
 
     def extra_repr(self) -> str:
         scale = "" if self.input_global_scale is None else f", input_global_scale={self.input_global_scale:.6g}"
