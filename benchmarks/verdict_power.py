@@ -89,7 +89,7 @@ def reciprocal_global_scale(target: torch.nn.Module) -> None:
 
 # the one-sided NVFP4 scale conventions: the runtime's target reads the checkpoint otherwise (NVFP4 targets only)
 TARGET_SABOTAGES = {"input scale ignored": ignore_input_scale, "global scale reciprocal": reciprocal_global_scale}
-SABOTAGES.update({name: (lambda c: c) for name in TARGET_SABOTAGES})
+SABOTAGES.update({name: SABOTAGES["faithful"] for name in TARGET_SABOTAGES})  # the drafter as it is
 OLD_GAPS = {"fp32": 1e-4, "bf16": 0.25, "bf16+FP4 act": 1.0, "fp32+FP4 act": 1e-4, NO_BAND: 1e-4}
 DEPTH = 3
 
@@ -122,11 +122,9 @@ def one_run(reference, runtime, measurer, prompts, tokens: int, fp4: bool, name:
     reports = {seen: ParityReport("reference", DEPTH, 0.0, reference.exact and runtime.exact, thresholds, "replay",
                                   drafts_reported=seen) for seen in (True, False)}
     old = {True: False, False: False}
-    compared = 0
     for i, prompt in enumerate(prompts):
         run = runtime.run(prompt, tokens, DEPTH)
         ref, measured = measurer.replay(reference, prompt, run)
-        compared += 1
         for seen, report in reports.items():
             shown = run if seen else type(run)(run.tokens, [], run.accepted_per_step, run.depth)
             report.rows.append(compare_prompt(i, prompt, ref, shown, None, 1.0, seen, measured=measured, k=K))
@@ -141,7 +139,7 @@ def one_run(reference, runtime, measurer, prompts, tokens: int, fp4: bool, name:
         report.failures = _failures(report)
         _summarize(report, measurer)
         out.append(bool(report.failures))
-    return out + [old[True], old[False]], compared
+    return out + [old[True], old[False]], len(reports[True].rows)
 
 
 def bound(hits: int, n: int, detection: bool) -> str:

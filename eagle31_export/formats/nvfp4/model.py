@@ -107,7 +107,7 @@ class NVFP4Linear(nn.Module):
         return out
 
     def _whole_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dense weight, decoded again only when it is large or the codes, dtype or device changed."""
+        """The dense weight, decoded again only when it is large or its codes, scales, dtype or device changed."""
         if self.out_features * self.in_features * dtype.itemsize > DENSE_CACHE_BYTES:
             return self.dense_weight(dtype)
         key = (dtype, self.weight_packed.device, self.weight_packed.data_ptr(), self.weight_scale.data_ptr(),
