@@ -55,14 +55,20 @@ PortOpt = Annotated[Optional[int], typer.Option(
     "--port", min=1, max=65535, help="--runtime vllm: the local engine's port on 127.0.0.1 (default: a free one).")]
 EngineTimeoutOpt = Annotated[float, typer.Option(
     "--engine-timeout", min=1.0, help="--runtime vllm: seconds a local engine may take to become ready.")]
+MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(
+    "--max-num-batched-tokens", min=1, help="--runtime vllm: the local engine's tokens per step (vLLM's "
+                                            "--max-num-batched-tokens; default: vLLM's). A prompt longer than "
+                                            "what a step has left is prefilled in chunks.")]
 RuntimeUrlOpt = Annotated[Optional[str], typer.Option(
     "--url", help="A running server: Triton HTTP HOST:PORT (--runtime triton) or a vLLM OpenAI-compatible "
                   "server http://HOST:PORT (--runtime vllm).")]
 
 
-def vllm_options(vllm: str | None, port: int | None, engine_timeout: float) -> dict:
+def vllm_options(vllm: str | None, port: int | None, engine_timeout: float,
+                 max_num_batched_tokens: int | None = None) -> dict:
     """The LoadOptions fields of a local vLLM engine."""
-    return {"vllm": vllm, "port": port, "engine_timeout": engine_timeout}
+    return {"vllm": vllm, "port": port, "engine_timeout": engine_timeout,
+            "max_num_batched_tokens": max_num_batched_tokens}
 
 
 DeviceOpt = Annotated[str, typer.Option(

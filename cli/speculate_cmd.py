@@ -13,6 +13,7 @@ from eagle31_export.cli.common import (
     SEED_MAX,
     DeviceOpt,
     EngineTimeoutOpt,
+    MaxBatchedTokensOpt,
     PortOpt,
     RuntimeUrlOpt,
     VllmOpt,
@@ -74,6 +75,7 @@ def speculate(
     vllm: VllmOpt = None,
     port: PortOpt = None,
     engine_timeout: EngineTimeoutOpt = 600.0,
+    max_num_batched_tokens: MaxBatchedTokensOpt = None,
 ) -> None:
     """Chain speculative decoding (PyTorch reference, exported ONNX graphs, a Triton or vLLM server); prints tokens and acceptance statistics."""
     from eagle31_export.formats.tokenizer import load_tokenizer
@@ -106,7 +108,7 @@ def speculate(
         check_consumed(output, given if output is not drafter else ())
     options = LoadOptions(dtype=parse_dtype(dtype), act_quant=act_quant, kernels=kernels, chain=chain,
                           device=resolve_device(device, runtime), depth=depth,
-                          **vllm_options(vllm, port, engine_timeout))
+                          **vllm_options(vllm, port, engine_timeout, max_num_batched_tokens))
     with ProgressDisplay("speculate") as display, contextlib.ExitStack() as stack:
         phases = display.phases()
         with phases.phase("load"):

@@ -27,7 +27,7 @@ from eagle31_export.formats.outputs import write_manifest
 from eagle31_export.parity.compare import LATER_POSITIONS, POSITION_1
 from eagle31_export.parity.report import markdown
 from eagle31_export.parity.mixed_batches import MIXED_BATCHES
-from eagle31_export.parity.sides import ENGINE_SAMPLER_BROKEN, check_parity
+from eagle31_export.parity.sides import ENGINE_CHUNK_TAIL_BROKEN, ENGINE_SAMPLER_BROKEN, check_parity
 from eagle31_export.runtime.registry import LoadOptions
 from eagle31_export.runtime.vllm_engine import LocalServer, find_vllm
 from eagle31_export.runtime.vllm_runtime import engine_args
@@ -249,6 +249,7 @@ FP32 = {"dtype": torch.float32}  # what the shared servers compute in (stated: t
 
 SAMPLING_CUTS = ((1.0, 0), (0.95, 0), (1.0, 50))  # (top_p, top_k): plain, a top-p cut, a top-k cut
 FIXED_SAMPLER = "shipped shim broken (vllm#55005), fixed by the plugin"
+CHUNK_TAIL_FIXED = "the next prompt token (shipped: the prompt's last token; fixed by the plugin)"
 # tokens a prompt: at T 1.0 the tiny pair accepts less, and draft position 3 needs 10 rounds reaching it
 SAMPLED_TOKENS = {0.7: 32, 1.0: 64}
 
@@ -273,9 +274,11 @@ def test_sampling_on_vllm_cpu_with_the_plugin_fix_passes(vllm, request, drafter,
     (a) every accepted token is the reference drafter's draft and no rejection emits it, on every round
     of every prompt, and (b) acceptance follows the target's probabilities: PASS (or, for a draft
     position reached too rarely, inconclusive there and nothing failed). The plain run at T 0.7
-    is also sent at C = 4 with every other request greedy: each greedy one decodes as the reference."""
+    is also sent at C = 4 with every other request greedy: each greedy one decodes as the reference.
+    The top-p and top-k cuts run on the EAGLE 3.1 bundle only: the engine's sampler, which they
+    exercise, is the same code whichever drafter proposed the tokens."""
     url = request.getfixturevalue(server).url
-    for top_p, top_k in SAMPLING_CUTS:
+    for top_p, top_k in SAMPLING_CUTS if drafter == DRAFTER31 else SAMPLING_CUTS[:1]:
         levels = (1, 4) if (temperature, top_p, top_k) == (0.7, 1.0, 0) else (1,)
         report = parity(vllm, None, drafter, url=url, runtime_options=FP32, temperature=temperature, top_p=top_p,
                         top_k=top_k, sampling_rule="greedy-drafts", max_new_tokens=SAMPLED_TOKENS[temperature],
@@ -328,6 +331,48 @@ def test_sampling_on_vllm_cpu_left_as_shipped_fails_naming_its_sampler(vllm, shi
     assert "vllm#55005" in log and "left as shipped (EAGLE31_VLLM_KEEP_SAMPLER=1)" in log
 
 
+CHUNK_TOKENS = 16  # --max-num-batched-tokens of the chunked-prefill tests: every prompt prefilled in chunks
+
+
+@pytest.fixture(scope="module")
+def shipped_chunk_tail_server(vllm, tmp_path_factory):
+    """The EAGLE 3.1 bundle on vLLM with CHUNK_TOKENS tokens a step and the drafter's token at a prefill
+    chunk's end left as shipped (EAGLE31_VLLM_KEEP_CHUNK_TAIL=1). Not shared with the shipped sampler: a
+    seeded sampled request prefilled in chunks kills vLLM 0.32's CPU engine (docs/runtimes.md,
+    "Chunked prefill")."""
+    root = tmp_path_factory.mktemp("vllm-shipped-chunk-tail")
+    record = read_bundle(export_vllm(DRAFTER31, TARGET, root / "bundle"))
+    with LocalServer(find_vllm(vllm), engine_args(record, LoadOptions(depth=3, max_num_batched_tokens=CHUNK_TOKENS)),
+                     root, env={"EAGLE31_VLLM_KEEP_CHUNK_TAIL": "1"}) as server:
+        yield server
+
+
+def test_chunked_prefill_with_the_plugin_fix_passes(vllm, tmp_path):
+    """`parity --runtime vllm --max-num-batched-tokens 16 --repeat 1`: a local engine that prefills every
+    prompt (260-320 tokens) in 16-token chunks, with our plugin's fix of the drafter's token at a chunk's
+    end, decodes and accepts as the reference, and the report says which token that drafter reads."""
+    out = tmp_path / "report"
+    code, stdout, err = cli("parity", "--drafter", DRAFTER31, "--target", TARGET, "--runtime", "vllm", "--vllm", vllm,
+                            "--max-num-batched-tokens", CHUNK_TOKENS, "--repeat", 1, "--out", out)
+    assert code == 0, (stdout[-3000:], err[-2000:])
+    report = json.loads((out / "report.json").read_text())
+    assert all(p["prompt_len"] > 16 * CHUNK_TOKENS for p in report["prompts"])
+    assert report["engine_chunk_tail"]["state"] == CHUNK_TAIL_FIXED and not report["failures"]
+    assert f"engine's drafter at a prefill chunk's end reads: {CHUNK_TAIL_FIXED}" in (out / "report.md").read_text()
+
+
+def test_chunked_prefill_left_as_shipped_fails_naming_the_chunk_end(vllm, shipped_chunk_tail_server):
+    """The same chunked prefill on vLLM's padded drafter batch as shipped (EAGLE31_VLLM_KEEP_CHUNK_TAIL=1):
+    the drafter reads the prompt's last token at every chunk's end, its drafts move, acceptance differs
+    from the reference beyond what fp32 explains: FAIL, first naming the drafter's token at a chunk's
+    end; the server's log has the plugin's line."""
+    report = parity(vllm, None, DRAFTER31, url=shipped_chunk_tail_server.url, runtime_options=FP32, repeat=1)
+    assert report.engine_chunk_tail["broken"] is True
+    assert report.verdict == "FAIL" and ENGINE_CHUNK_TAIL_BROKEN in report.failures[0], report.failures
+    assert "left as shipped" in report.failures[0] and any("draft position" in f for f in report.failures[1:])
+    assert "left as shipped (EAGLE31_VLLM_KEEP_CHUNK_TAIL=1)" in shipped_chunk_tail_server.log.read_text()
+
+
 def test_url_sampling_needs_the_servers_rule(vllm, url_server):
     """A server that does not say how it drafts (no /server_info) is compared under sampling only when the
     rule is stated; vLLM's only comparable rule is greedy-drafts."""
@@ -345,29 +390,32 @@ def test_url_of_a_server_that_does_not_tell_its_dtype_needs_runtime_dtype(vllm, 
 
 
 def test_repeats_are_identical_and_served_from_the_prefix_cache(vllm, url_server, tmp_path):
-    """`parity --runtime vllm --repeat 3 --concurrency 1,4` in fp32: every prompt sent three more times at
-    each level equals the level's first send, tokens and every round (vLLM issue 41838), but for
+    """`parity --runtime vllm --repeat 3 --concurrency 1,4,16` in fp32: every prompt sent three more times
+    at each level equals the level's first send, tokens and every round (vLLM issue 41838), but for
     differences the fp32 rounding measured at that decision explains, and each of those sends was
     served in part from the engine's prefix cache (the default prompts open alike with REPEAT_OPENING
-    tokens), as the report shows. (C = 16: docs/runtimes.md, "C = 16 in fp32".)"""
+    tokens), as the report shows. At C = 16 the prompts in flight exceed the CPU build's 2048 tokens a
+    step, so some are prefilled in chunks: this passes with our plugin's fix of the drafter's token at a
+    chunk's end (docs/runtimes.md, "Chunked prefill"), which the report names."""
     out = tmp_path / "report"
     code, stdout, err = cli("parity", "--drafter", DRAFTER31, "--target", TARGET, "--runtime", "vllm", "--url",
-                            url_server.url, "--runtime-dtype", "fp32", "--repeat", 3, "--concurrency", "1,4",
+                            url_server.url, "--runtime-dtype", "fp32", "--repeat", 3, "--concurrency", "1,4,16",
                             "--out", out)
     assert code == 0, (stdout[-3000:], err[-2000:])
     report = json.loads((out / "report.json").read_text())
     rows = {row["concurrency"]: row for row in report["concurrency"]}
-    assert sorted(rows) == [1, 4] and len(report["prompts"]) == 8
+    assert sorted(rows) == [1, 4, 16] and len(report["prompts"]) == 16  # C = 16 takes 16 prompts
+    assert report["engine_chunk_tail"]["state"] == CHUNK_TAIL_FIXED and report["engine_chunk_tail"]["broken"] is False
     assert all(p["prompt_len"] > 256 for p in report["prompts"])  # more than two of the CPU build's 128-token blocks
     for c, row in rows.items():
         assert [r["repeat"] for r in row["repeats"]] == [1, 2, 3], c
         for r in row["repeats"]:
-            assert r["same_as_first"] + len(r["tied_prompts"]) == r["prompts"] == 8, (c, r)
+            assert r["same_as_first"] + len(r["tied_prompts"]) == r["prompts"] == 16, (c, r)
             assert not r["differing_prompts"], (c, r)
             assert r["prefix_caching"] is True and r["cache_block_size"] == 128
             # vLLM serves whole blocks and, for EAGLE, one block less than it matched: 128 tokens a prompt
             assert 128 <= r["prefix_cache_hits"] <= r["prefix_cache_queries"], (c, r)
-    assert rows[4]["batching"]["largest"] >= 4
+    assert rows[4]["batching"]["largest"] >= 4 and rows[16]["batching"]["largest"] >= 8
     assert report["runtime_dtype"]["basis"] == "stated"
     md = (out / "report.md").read_text()
     assert "## Repeats" in md and "served from the prefix cache over 3 repeats" in md, md

@@ -123,6 +123,7 @@ class ParityReport:
     # the engine's rejection sampler as found where it is served (vllm: our plugin's /metrics gauge):
     # {"state", "broken", "how"}; None where the runtime does not say
     engine_sampler: dict | None = None
+    engine_chunk_tail: dict | None = None  # vllm: which token its drafter reads at a prefill chunk's end
     # sampled runs with --concurrency: greedy requests among sampled ones at each C > 1 (parity/mixed_batches.py)
     mixed_batches: list[MixedBatchRow] = field(default_factory=list)
 
@@ -219,6 +220,7 @@ class ParityReport:
                 "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth,
                 "concurrency": [{**asdict(c), "tokens_per_second": c.tokens_per_second} for c in self.concurrency],
                 "runtime_dtype": self.runtime_dtype, "engine_sampler": self.engine_sampler,
+                "engine_chunk_tail": self.engine_chunk_tail,
                 "mixed_batches": [asdict(row) for row in self.mixed_batches],
                 "sampling": None if self.sampling is None else {**self.sampling.to_json(),
                                                                 "rule_basis": self.sampling_rule_basis},

@@ -124,6 +124,9 @@ def dtype_lines(report: ParityReport) -> list[str]:
     e = report.engine_sampler
     if e and report.temperature != 0:
         lines += [f"engine's sampler: {e['state']} ({e['how']})", ""]
+    t = report.engine_chunk_tail
+    if t:
+        lines += [f"engine's drafter at a prefill chunk's end reads: {t['state']} ({t['how']})", ""]
     for row in report.mixed_batches:
         lines += [f"mixed batch at concurrency {row.concurrency} (largest batch {row.largest_batch}): "
                   f"{len(row.exact_prompts)} of {len(row.greedy_prompts)} greedy requests among "

@@ -223,6 +223,7 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
             speculator = load_speculator(runtime, runtime_source, runtime_side, workdir)
             seen["runtime_dtype"] = getattr(speculator, "runtime_dtype", None)
             seen["engine_sampler"] = getattr(speculator, "engine_sampler", None)
+            seen["engine_chunk_tail"] = getattr(speculator, "engine_chunk_tail", None)
             return speculator
 
         def load_reference():
@@ -245,7 +246,10 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
                                     repeat=repeat, **(sampling or {}))
         report.runtime_dtype = seen.get("runtime_dtype")
         report.engine_sampler = seen.get("engine_sampler")
-        if temperature != 0 and (report.engine_sampler or {}).get("broken"):
+        report.engine_chunk_tail = seen.get("engine_chunk_tail")
+        if report.failures and (report.engine_chunk_tail or {}).get("broken"):
+            report.failures[:0] = [chunk_tail_failure(report.engine_chunk_tail)]
+        if temperature != 0 and (report.engine_sampler or {}).get("broken"):  # said first: it breaks every sample
             report.failures[:0] = [broken_sampler_failure(report.engine_sampler)]
         return report
 
@@ -253,6 +257,20 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
 ENGINE_SAMPLER_BROKEN = ("the engine's sampler: its per-token temperature, top-k and top-p are not the requests' "
                          "(the sampled acceptance and any greedy request batched with sampled ones follow other "
                          "logits), so sampling parity cannot pass on it")
+
+
+ENGINE_CHUNK_TAIL_BROKEN = ("the engine's EAGLE drafter reads the prompt's last token at the end of every prefill chunk "
+                            "that is not a prompt's last, where the next prompt token belongs, so every draft after a "
+                            "chunked prefill (a prompt longer than what an engine step had left) attends to a wrong KV "
+                            "entry")
+
+
+def chunk_tail_failure(chunk_tail: dict) -> str:
+    """Said first where a run failed on an engine known to feed its drafter the wrong token at a prefill
+    chunk's end (vLLM's padded drafter batch as shipped: docs/runtimes.md, "Chunked prefill")."""
+    return (f"{ENGINE_CHUNK_TAIL_BROKEN}: {chunk_tail['state']}, as {chunk_tail['how']} says; serve it with our vLLM "
+            "plugin's fix (unset EAGLE31_VLLM_KEEP_CHUNK_TAIL), or with --max-num-batched-tokens above the longest "
+            "prompts in flight")
 
 
 def broken_sampler_failure(sampler: dict) -> str:

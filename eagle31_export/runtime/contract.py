@@ -57,6 +57,7 @@ class LoadOptions:
     port: int | None = None  # vllm: the local engine's port on 127.0.0.1 (None: a free one)
     engine_timeout: float = 600.0  # vllm: seconds a local engine may take to become ready
     max_context: int | None = None  # the longest sequence a run holds (vllm: the local engine serves at least this)
+    max_num_batched_tokens: int | None = None  # vllm: the local engine's tokens per step (None: vLLM's default)
 
 
 def request_sampling(temperature: float | Sampling | list, i: int) -> float | Sampling:

@@ -49,6 +49,7 @@ CACHE_INFO = "vllm:cache_config_info"
 # (what vLLM's CPU expand_kernel shim does: broken, correct, none) and `sampler` (fixed_by_plugin,
 # left_as_shipped, as_shipped)
 ENGINE_SAMPLER = "eagle31_vllm_cpu_sampler"
+ENGINE_CHUNK_TAIL = "eagle31_vllm_eagle_chunk_tail"  # plugins/vllm/eagle31_vllm_plugin/chunk_tail.py
 _SPEC_FIELDS = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens", "num_accepted_tokens": "accepted_tokens"}
 
 Samples = dict[str, list[tuple[dict, float]]]  # sample name -> (labels, value) of every engine
@@ -146,6 +147,7 @@ class EngineMetrics:
     cache_info: dict  # vllm:cache_config_info's labels (the first engine's); {} where absent
     generated: int | None = None  # output tokens the engine produced (vllm:generation_tokens)
     sampler_plugin: dict | None = None  # ENGINE_SAMPLER's labels ({"shim", "sampler"}); None: no such gauge
+    chunk_tail_plugin: dict | None = None  # ENGINE_CHUNK_TAIL's labels ({"shipped", "drafter"}); None: no such gauge
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -154,7 +156,12 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     return EngineMetrics(_spec_counters(samples), _total(samples, RUNNING), _total(samples, WAITING),
                          _total(samples, CACHE_HITS), _total(samples, CACHE_QUERIES),
                          _total(samples, f"{STEPS}_count"), info[0][0], _total(samples, GENERATED),
-                         next((labels for labels, value in samples.get(ENGINE_SAMPLER, []) if value), None))
+                         _set_labels(samples, ENGINE_SAMPLER), _set_labels(samples, ENGINE_CHUNK_TAIL))
+
+
+def _set_labels(samples: dict, gauge: str) -> dict | None:
+    """The labels of `gauge`'s sample set to a non-zero value (our plugin's state gauges), else None."""
+    return next((labels for labels, value in samples.get(gauge, []) if value), None)
 
 
 @dataclass

@@ -57,7 +57,9 @@ class VllmSpeculator(Speculator):
         names = {name: dtype for dtype, name in VLLM_DTYPES.items()}
         self.compute_dtype = names.get((runtime_dtype or {}).get("dtype"), torch.float32 if exact else torch.bfloat16)
         self.rounds_in_order = True  # False once a server answers without per-step acceptance
-        self.engine_sampler = engine_sampler(client.metrics())  # what its sampler is, as our plugin found it
+        metrics = client.metrics()
+        self.engine_sampler = engine_sampler(metrics)  # what its sampler is, as our plugin found it
+        self.engine_chunk_tail = engine_chunk_tail(metrics)  # its drafter at a prefill chunk's end, likewise
         self._finalizer = weakref.finalize(self, _shutdown, server, cleanup)
 
     @property
@@ -199,6 +201,32 @@ def engine_sampler(metrics: EngineMetrics) -> dict:
     return {"state": state, "broken": key == ("broken", "left_as_shipped"), "how": SAMPLER_HOW}
 
 
+CHUNK_TAIL_STATES = {  # our plugin's gauge labels (shipped, drafter) -> what the report says
+    ("last_prompt_token", "fixed_by_plugin"): "the next prompt token (shipped: the prompt's last token; fixed by the "
+                                               "plugin)",
+    ("last_prompt_token", "left_as_shipped"): "the prompt's last token: left as shipped",
+    ("not_recognised", "as_shipped"): "as shipped (not the defect the plugin fixes)",
+    ("none", "as_shipped"): "as shipped (this vLLM has no padded EAGLE proposer)",
+}
+CHUNK_TAIL_HOW = ("the server's /metrics (eagle31_vllm_eagle_chunk_tail, set by our vLLM plugin, which calls vLLM's "
+                  "prepare_next_token_ids_padded on one partial prefill in every process)")
+
+
+def engine_chunk_tail(metrics: EngineMetrics) -> dict:
+    """Which token the engine's EAGLE drafter reads at the end of a prefill chunk that is not a prompt's
+    last, as our vLLM plugin found and left it: {"state", "broken" (True: the prompt's last token, so
+    drafts after a chunked prefill are off; None: not known), "how"}
+    (plugins/vllm/eagle31_vllm_plugin/chunk_tail.py)."""
+    labels = metrics.chunk_tail_plugin
+    if labels is None:
+        return {"state": "unknown: the server runs without our vLLM plugin's check (no eagle31_vllm_eagle_chunk_tail "
+                         "on /metrics; vLLM 0.32's padded drafter batch reads the prompt's last token there: install "
+                         "plugins/vllm)", "broken": None, "how": CHUNK_TAIL_HOW}
+    key = (labels.get("shipped"), labels.get("drafter"))
+    state = CHUNK_TAIL_STATES.get(key, f"shipped {key[0]}, drafter {key[1]}")
+    return {"state": state, "broken": key == ("last_prompt_token", "left_as_shipped"), "how": CHUNK_TAIL_HOW}
+
+
 def _wait(barrier: threading.Barrier) -> None:
     try:
         barrier.wait(timeout=60)
@@ -273,6 +301,9 @@ def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir: Path
     if options.chain:
         raise UserError("--chain applies to --runtime onnxruntime")
     if source.url:
+        if options.max_num_batched_tokens:
+            raise UserError("--max-num-batched-tokens sets a local engine's step; a server at --url schedules by its "
+                            "own (start it with --max-num-batched-tokens), so drop one of the two")
         client = VllmClient(source.url)
         served = served_dtype(client, options.dtype)
         return VllmSpeculator(client, served["dtype"] == "float32", runtime_dtype=served)
@@ -394,7 +425,9 @@ def engine_args(record: dict, options: LoadOptions, speculative: bool = True) ->
     return ["--model", record["target"], "--served-model-name", "target", *speculation,
             "--dtype", dtype, "--enforce-eager", "--max-model-len", str(context), "--seed", "0",
             "--generation-config", "vllm", "--skip-tokenizer-init", "--tensor-parallel-size", "1",
-            "--distributed-executor-backend", "uni"]
+            "--distributed-executor-backend", "uni",
+            *(["--max-num-batched-tokens", str(options.max_num_batched_tokens)] if options.max_num_batched_tokens
+              else [])]
 
 
 EMULATION_KERNEL = ("vLLM's EmulationNvFp4LinearKernel (vllm/model_executor/kernels/linear/nvfp4/emulation.py), "

@@ -1,0 +1,183 @@
+"""vLLM's EAGLE drafter at the end of a prefill chunk, fed the next prompt token again.
+
+An EAGLE drafter reads, at position k, the target's hidden state at k and the token at k + 1. A
+prompt prefilled in chunks (vLLM's chunked prefill: a prompt longer than what one engine step may
+schedule, `--max-num-batched-tokens`; 2048 on vLLM 0.32's CPU API server) has no sampled token at the
+end of a chunk that is not its last, so vLLM takes a "backup" token for it there. vLLM 0.32's padded
+drafter batch (the default; `disable_padded_drafter_batch` off),
+`v1/spec_decode/llm_base_proposer.py: prepare_next_token_ids_padded`, takes
+`get_token_id(num_tokens_no_spec - 1)`: the prompt's LAST token, where the token after the chunk
+belongs (its unpadded path, `prepare_next_token_ids_cpu`, reads `num_computed_tokens +
+num_scheduled_tokens`: the right one). The drafter's KV at every chunk boundary is then computed from
+a wrong token, and every later draft attends to it: the drafts move a little, acceptance changes, and
+nothing fails. SGLang fixed the same defect (sgl-project/sglang PR 26800) and TensorRT-LLM its MTP
+Eagle form (NVIDIA/TensorRT-LLM PR 18295).
+
+This plugin calls the shipped method on one partial prefill and, only where it reads the prompt's
+last token, wraps it: for the requests the model runner discards (a partial prefill: its sequence
+length this step, `optimistic_seq_lens_cpu`, short of the request's tokens) the method reads the
+token at that sequence length. The kernel and everything else run as shipped. A vLLM that takes
+another token, and EAGLE31_VLLM_KEEP_CHUNK_TAIL=1, leave it as shipped.
+
+What it found and did is published on /metrics as `eagle31_vllm_eagle_chunk_tail{shipped, drafter} 1`
+(the parity runtime reads it) and logged once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+log = logging.getLogger("vllm.eagle31_vllm_plugin")
+
+KEEP_ENV = "EAGLE31_VLLM_KEEP_CHUNK_TAIL"  # "1": leave the drafter's chunk-end token as shipped
+# read by eagle31_export/runtime/vllm_client.py (ENGINE_CHUNK_TAIL) under the same name and labels
+STATE_METRIC = "eagle31_vllm_eagle_chunk_tail"
+
+# labels of STATE_METRIC: `shipped` which token the shipped method takes, `drafter` what the plugin did
+LAST_PROMPT_TOKEN, NOT_RECOGNISED, NO_PROPOSER = "last_prompt_token", "not_recognised", "none"
+FIXED, LEFT_AS_SHIPPED, UNCHANGED = "fixed_by_plugin", "left_as_shipped", "as_shipped"
+
+RUNNER_ATTR = "_eagle31_runner"  # the proposer's model runner (a weak reference), kept by the wrapped __init__
+FIXED_MARK = "_eagle31_fixed"  # on the wrapper: a second load of the plugin does not wrap twice
+_state: dict[str, str] = {}
+
+
+class _Stop(Exception):
+    """Raised by the probe's buffer once the method has chosen its backup tokens."""
+
+
+class _Buffer:
+    """Stands for the proposer's `backup_next_token_ids` (a CpuGpuBuffer): records, then stops."""
+
+    def __init__(self, size: int):
+        import numpy as np
+
+        self.np = np.full(size, -1, dtype=np.int64)
+
+    def copy_to_gpu(self, n: int):
+        raise _Stop
+
+
+class _Request:
+    def get_token_id(self, index: int) -> int:
+        return 1000 + int(index)  # token i is 1000 + i: the index read shows
+
+
+class _Batch:
+    """One request of PROMPT tokens whose first SEQ_LEN this step computes: a partial prefill."""
+
+    PROMPT, SEQ_LEN = 10, 4
+
+    def __init__(self):
+        import numpy as np
+
+        self.num_reqs, self.req_ids, self.vocab_size = 1, ["probe"], 2000
+        self.num_tokens_no_spec = np.array([self.PROMPT], dtype=np.int32)
+        self.num_computed_tokens_cpu = np.array([0], dtype=np.int32)
+
+
+def backup_token_read(method, runner=None) -> int | None:
+    """The token index `method` (prepare_next_token_ids_padded's shape) reads for the partial prefill
+    of `_Batch`; None where it does not run on these stand-ins."""
+    import types
+
+    import torch
+
+    proposer = types.SimpleNamespace(backup_next_token_ids=_Buffer(4))
+    if runner is not None:
+        setattr(proposer, RUNNER_ATTR, lambda: runner)
+    try:
+        method(proposer, torch.full((1, 2), -1, dtype=torch.int64), {"probe": _Request()}, _Batch(),
+               torch.tensor([True]))
+    except _Stop:
+        return int(proposer.backup_next_token_ids.np[0]) - 1000
+    except Exception:  # noqa: BLE001 - another shape of the method: not the one this plugin knows
+        return None
+    return None
+
+
+def reading_the_next_prompt_token(shipped):
+    """`shipped` wrapped: for a request the runner discards this step (a partial prefill), the backup
+    token is the one after its chunk, at its sequence length, instead of the prompt's last."""
+    import numpy as np
+
+    def prepare_next_token_ids_padded(self, sampled_token_ids, requests, gpu_input_batch, discard_request_mask):
+        ref = getattr(self, RUNNER_ATTR, None)
+        runner = ref() if ref is not None else None
+        seq_lens = getattr(runner, "optimistic_seq_lens_cpu", None)
+        if seq_lens is None:
+            return shipped(self, sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
+        n = gpu_input_batch.num_reqs
+        counts = gpu_input_batch.num_tokens_no_spec
+        kept = counts[:n].copy()
+        lengths = np.asarray(seq_lens[:n]).astype(kept.dtype)
+        # the runner's own discard rule (gpu_model_runner: discard_request_mask): sequence short of the request
+        counts[:n] = np.where(lengths < kept, lengths + 1, kept)  # the shipped method reads counts - 1
+        try:
+            return shipped(self, sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
+        finally:
+            counts[:n] = kept
+
+    return prepare_next_token_ids_padded
+
+
+def keeping_the_runner(shipped_init):
+    def __init__(self, *args, **kwargs):  # noqa: N807 - the proposer's own __init__, wrapped
+        shipped_init(self, *args, **kwargs)
+        runner = kwargs.get("runner", args[3] if len(args) > 3 else None)
+        setattr(self, RUNNER_ATTR, weakref.ref(runner) if runner is not None else None)
+
+    return __init__
+
+
+class _Runner:
+    def __init__(self, seq_len: int):
+        import torch
+
+        self.optimistic_seq_lens_cpu = torch.tensor([seq_len], dtype=torch.int32)
+
+
+def _fix_where_wrong() -> dict[str, str]:
+    try:
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    except ImportError:
+        return {"shipped": NO_PROPOSER, "drafter": UNCHANGED}
+    shipped = SpecDecodeBaseProposer.prepare_next_token_ids_padded
+    if getattr(shipped, FIXED_MARK, False):
+        return {"shipped": LAST_PROMPT_TOKEN, "drafter": FIXED}  # wrapped already in this process
+    if backup_token_read(shipped) != _Batch.PROMPT - 1:
+        return {"shipped": NOT_RECOGNISED, "drafter": UNCHANGED}
+    if os.environ.get(KEEP_ENV) == "1":
+        log.warning("eagle31-vllm-plugin: vLLM's padded EAGLE drafter batch feeds the drafter the prompt's last token at "
+                    "the end of a prefill chunk that is not the last (prepare_next_token_ids_padded); drafts after a "
+                    "chunked prefill are off; left as shipped (%s=1)", KEEP_ENV)
+        return {"shipped": LAST_PROMPT_TOKEN, "drafter": LEFT_AS_SHIPPED}
+    fixed = reading_the_next_prompt_token(shipped)
+    if backup_token_read(fixed, _Runner(_Batch.SEQ_LEN)) != _Batch.SEQ_LEN:
+        return {"shipped": LAST_PROMPT_TOKEN, "drafter": LEFT_AS_SHIPPED}  # the wrapper would not help: leave it
+    SpecDecodeBaseProposer.prepare_next_token_ids_padded = fixed
+    SpecDecodeBaseProposer.__init__ = keeping_the_runner(SpecDecodeBaseProposer.__init__)
+    setattr(fixed, FIXED_MARK, True)
+    log.info("eagle31-vllm-plugin: vLLM's padded EAGLE drafter batch feeds the drafter the prompt's last token at the "
+             "end of a prefill chunk that is not the last; it now reads the token after the chunk")
+    return {"shipped": LAST_PROMPT_TOKEN, "drafter": FIXED}
+
+
+def register() -> None:
+    """vLLM's `vllm.general_plugins` entry point."""
+    if not _state:
+        _state.update(_fix_where_wrong())
+        _publish(_state)
+
+
+def _publish(state: dict[str, str]) -> None:
+    try:
+        from prometheus_client import Gauge
+    except ImportError:
+        return
+    gauge = Gauge(STATE_METRIC, "eagle31-vllm-plugin: which token vLLM's padded EAGLE drafter batch takes at the end "
+                  "of a non-final prefill chunk (shipped) and what the plugin did about it (drafter)",
+                  ["shipped", "drafter"], multiprocess_mode="max")
+    gauge.labels(**state).set(1)
