@@ -11,7 +11,8 @@ belongs (its unpadded path, `prepare_next_token_ids_cpu`, reads `num_computed_to
 num_scheduled_tokens`: the right one). The drafter's KV at every chunk boundary is then computed from
 a wrong token, and every later draft attends to it: the drafts move a little, acceptance changes, and
 nothing fails. SGLang fixed the same defect (sgl-project/sglang PR 26800) and TensorRT-LLM its MTP
-Eagle form (NVIDIA/TensorRT-LLM PR 18295).
+Eagle form (NVIDIA/TensorRT-LLM PR 18295). This is vLLM's V1 model runner, which the CPU build always
+runs; Model Runner V2 (a GPU with Triton, by default) reads `next_prefill_tokens` there instead.
 
 This plugin calls the shipped method on one partial prefill and, only where it reads the prompt's
 last token, wraps it: for the requests the model runner discards (a partial prefill: its sequence
