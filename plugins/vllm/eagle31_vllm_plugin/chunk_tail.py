@@ -125,6 +125,9 @@ def reading_the_next_prompt_token(shipped):
 
 
 def keeping_the_runner(shipped_init):
+    """The proposer's `__init__` wrapped to keep a weak reference to the model runner vLLM passes it
+    (`runner=`), whose `optimistic_seq_lens_cpu` the wrapped method reads."""
+
     def __init__(self, *args, **kwargs):  # noqa: N807 - the proposer's own __init__, wrapped
         shipped_init(self, *args, **kwargs)
         runner = kwargs.get("runner", args[3] if len(args) > 3 else None)
@@ -134,6 +137,8 @@ def keeping_the_runner(shipped_init):
 
 
 class _Runner:
+    """Stands for the model runner in the probe of the wrapped method."""
+
     def __init__(self, seq_len: int):
         import torch
 
