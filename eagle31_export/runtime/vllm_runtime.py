@@ -191,14 +191,22 @@ def engine_sampler(metrics: EngineMetrics) -> dict:
     "broken" (True: it samples with per-token parameters that are not the request's; None: not known),
     "how"}. vLLM 0.32's CPU build expands them through a broken shim (vllm#55005;
     plugins/vllm/eagle31_vllm_plugin/cpu_sampler.py), which the plugin replaces unless told not to."""
-    labels = metrics.sampler_plugin
+    return plugin_state(metrics.sampler_plugin, ("shim", "sampler"), SAMPLER_STATES, ("broken", "left_as_shipped"),
+                        SAMPLER_HOW, "unknown: the server runs without our vLLM plugin's sampler check (no "
+                        "eagle31_vllm_cpu_sampler on /metrics; vLLM's CPU build up to 0.32 has a broken expand shim, "
+                        f"{UPSTREAM_SAMPLER_ISSUE}: install plugins/vllm)")
+
+
+def plugin_state(labels: dict | None, names: tuple[str, str], states: dict, broken: tuple[str, str], how: str,
+                 unknown: str) -> dict:
+    """{"state", "broken", "how"} from one of our plugin's state gauges: its labels `names` read through
+    `states` (labels it does not list are said as they are); `broken` True for the `broken` labels,
+    None (and `unknown` said) where the server publishes no such gauge."""
     if labels is None:
-        return {"state": "unknown: the server runs without our vLLM plugin's sampler check (no "
-                         "eagle31_vllm_cpu_sampler on /metrics; vLLM's CPU build up to 0.32 has a broken expand shim, "
-                         f"{UPSTREAM_SAMPLER_ISSUE}: install plugins/vllm)", "broken": None, "how": SAMPLER_HOW}
-    key = (labels.get("shim"), labels.get("sampler"))
-    state = SAMPLER_STATES.get(key, f"shim {key[0]}, sampler {key[1]}")
-    return {"state": state, "broken": key == ("broken", "left_as_shipped"), "how": SAMPLER_HOW}
+        return {"state": unknown, "broken": None, "how": how}
+    key = (labels.get(names[0]), labels.get(names[1]))
+    state = states.get(key, f"{names[0]} {key[0]}, {names[1]} {key[1]}")
+    return {"state": state, "broken": key == broken, "how": how}
 
 
 CHUNK_TAIL_STATES = {  # our plugin's gauge labels (shipped, drafter) -> what the report says
@@ -217,14 +225,11 @@ def engine_chunk_tail(metrics: EngineMetrics) -> dict:
     last, as our vLLM plugin found and left it: {"state", "broken" (True: the prompt's last token, so
     drafts after a chunked prefill are off; None: not known), "how"}
     (plugins/vllm/eagle31_vllm_plugin/chunk_tail.py)."""
-    labels = metrics.chunk_tail_plugin
-    if labels is None:
-        return {"state": "unknown: the server runs without our vLLM plugin's check (no eagle31_vllm_eagle_chunk_tail "
-                         "on /metrics; vLLM 0.32's padded drafter batch reads the prompt's last token there: install "
-                         "plugins/vllm)", "broken": None, "how": CHUNK_TAIL_HOW}
-    key = (labels.get("shipped"), labels.get("drafter"))
-    state = CHUNK_TAIL_STATES.get(key, f"shipped {key[0]}, drafter {key[1]}")
-    return {"state": state, "broken": key == ("last_prompt_token", "left_as_shipped"), "how": CHUNK_TAIL_HOW}
+    return plugin_state(metrics.chunk_tail_plugin, ("shipped", "drafter"), CHUNK_TAIL_STATES,
+                        ("last_prompt_token", "left_as_shipped"), CHUNK_TAIL_HOW,
+                        "unknown: the server runs without our vLLM plugin's check (no eagle31_vllm_eagle_chunk_tail on "
+                        "/metrics; vLLM 0.32's padded drafter batch reads the prompt's last token there: install "
+                        "plugins/vllm)")
 
 
 def _wait(barrier: threading.Barrier) -> None:
