@@ -113,7 +113,7 @@ def old_rule_fails(ref, run, gap: float, drafts_reported: bool) -> bool:
     return False
 
 
-def one_run(reference, runtime, measurer, prompts, tokens: int, fp4: bool, name: str, faithful_ratios: list):
+def one_run(reference, runtime, measurer, prompts, tokens: int, fp4: bool, name: str, ratios: list, k: float):
     """(new verdict fails with drafts, new fails on counts only, old fails with drafts, old on counts), and
     the prompts it compared. The run stops early once all four have failed for good: an untied
     difference fails a report whatever its other prompts hold (parity/compare.py: _failures), and the
@@ -127,11 +127,11 @@ def one_run(reference, runtime, measurer, prompts, tokens: int, fp4: bool, name:
         ref, measured = measurer.replay(reference, prompt, run)
         for seen, report in reports.items():
             shown = run if seen else type(run)(run.tokens, [], run.accepted_per_step, run.depth)
-            report.rows.append(compare_prompt(i, prompt, ref, shown, None, 1.0, seen, measured=measured, k=K))
+            report.rows.append(compare_prompt(i, prompt, ref, shown, None, 1.0, seen, measured=measured, k=k))
             old[seen] |= old_rule_fails(ref, shown, OLD_GAPS[name], seen)
-            if seen and faithful_ratios is not None:
-                faithful_ratios += [d.gap / d.error for d in divergences(ref, shown, measured, K, shown.drafts) or []
-                                    if d.error and math.isfinite(d.gap) and d.gap > 0]
+            if seen:
+                ratios += [d.gap / d.error for d in divergences(ref, shown, measured, k, shown.drafts) or []
+                           if d.error and math.isfinite(d.gap) and d.gap > 0]
         if all(old.values()) and all(any(row.untied for row in r.rows) for r in reports.values()):
             break
     out = []
@@ -176,8 +176,34 @@ def prompt_windows(tokens: int) -> list[list[int]]:
     return out
 
 
-def read_records(folder: Path) -> list[dict]:
-    return [json.loads(line) for f in sorted(folder.glob("*.jsonl")) for line in f.read_text().splitlines() if line]
+def read_records(folder: Path, k: float = K) -> list[dict]:
+    """The runs judged at tie factor `k`: those measured at it, and those measured at a larger one whose
+    verdicts provably stand at `k` (`at_k`); per run, one measured at `k` itself first."""
+    found: dict[tuple, dict] = {}
+    for f in sorted(folder.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            record = at_k(json.loads(line), k) if line else None
+            key = record and (record["precision"], record["sabotage"], record["prompts"], record["tokens"],
+                              record["run"])
+            if record is not None and (key not in found or "carried_from" in found[key]):
+                found[key] = record
+    return list(found.values())
+
+
+def at_k(record: dict, k: float) -> dict | None:
+    """`record` judged at tie factor `k`, or None where only running it again tells. Lowering K only
+    turns ties into failures (parity/ties.py), never the other way, and the tie budget does not read it:
+    a verdict that failed at the record's K fails at `k`, and one that passed stands where no difference
+    of the run lay beyond `k` measured errors (`max_ratio`, from the run's drafts-compared judgement,
+    whose gaps bound the counts-only judgement's: that one's runner-up stands below the runtime's own
+    draft). The old rule does not read K."""
+    was = record.get("k", 6.0)  # the runs before K was recorded were judged at K = 6
+    if was == k:
+        return record
+    largest = record.get("max_ratio", max(record["ratios"], default=0.0) if "ratios" in record else None)
+    if was < k or (not all(record["verdicts"][:2]) and (largest is None or largest > k)):
+        return None
+    return {**record, "k": k, "carried_from": was}
 
 
 def measure_cell(name: str, sabotage: str, runs: int, args, prompts, done: set, out_file: Path, tmp: Path) -> None:
@@ -203,10 +229,11 @@ def measure_cell(name: str, sabotage: str, runs: int, args, prompts, done: set, 
             start, ratios = time.perf_counter(), []
             measurer.measured.clear()
             verdicts, compared = one_run(reference, runtime, measurer, prompts[r * args.prompts:(r + 1) * args.prompts],
-                                         args.tokens, fp4, name, ratios if faithful else None)
+                                         args.tokens, fp4, name, ratios, args.k)
             record = {"precision": name, "sabotage": sabotage, "prompts": args.prompts, "tokens": args.tokens,
-                      "run": r, "verdicts": verdicts, "compared": compared,
-                      "seconds": round(time.perf_counter() - start, 2)}
+                      "run": r, "k": args.k, "verdicts": verdicts, "compared": compared,
+                      "seconds": round(time.perf_counter() - start, 2),
+                      "max_ratio": round(max(ratios, default=0.0), 3)}
             if faithful:
                 record["z"] = [round(v, 3) for m in measurer.measured for v in m.z]
                 record["ratios"] = [round(v, 3) for v in ratios]
@@ -216,7 +243,7 @@ def measure_cell(name: str, sabotage: str, runs: int, args, prompts, done: set, 
 
 def print_table(records: list[dict], args) -> None:
     print(f"{'precision':17} {'sabotage':20} {'runs':>4} | {'new: drafts':>11} {'95% bound':>9} {'new: counts':>11} "
-          f"{'95% bound':>9} | {'old: drafts':>11} {'old: counts':>11} | {'prompts':>7} {'s':>6}")
+          f"{'95% bound':>9} | {'old: drafts':>11} {'old: counts':>11} | {'prompts':>7} {'s':>6} {'carried':>7}")
     z_all, ratios = [], []
     for name in args.precision or PRECISIONS:
         for sabotage in args.sabotage or SABOTAGES:
@@ -231,10 +258,12 @@ def print_table(records: list[dict], args) -> None:
             shown = [f"{c}/{n}" for c in counts]
             print(f"{name:17} {sabotage:20} {n:4d} | {shown[0]:>11} {bound(counts[0], n, not faithful):>9} "
                   f"{shown[1]:>11} {bound(counts[1], n, not faithful):>9} | {shown[2]:>11} {shown[3]:>11} | "
-                  f"{sum(r['compared'] for r in cell) / n:7.1f} {sum(r['seconds'] for r in cell):6.0f}")
+                  f"{sum(r['compared'] for r in cell) / n:7.1f} {sum(r['seconds'] for r in cell):6.0f} "
+                  f"{sum('carried_from' in r for r in cell):7d}")
     print("(failing runs out of runs: detections for a sabotage, false alarms for the faithful drafter; the bound is "
           "the one-sided 95 % lower bound of detection, upper bound of false alarms; prompts: the mean compared a "
-          "run, less than a run's prompts where all four verdicts had failed for good before its last)")
+          "run, less than a run's prompts where all four verdicts had failed for good before its last; carried: runs "
+          f"measured at a larger K whose verdicts stand at K = {args.k:g}, read_records)")
     for label, xs in (("z = |top-2 margin shift| / e, faithful decisions", z_all),
                       ("faithful differences' margin / e", ratios)):
         xs = sorted(xs)
@@ -254,6 +283,7 @@ def main() -> None:
     parser.add_argument("--sabotage", action="append", choices=list(SABOTAGES))
     parser.add_argument("--records", type=Path, help="a folder of run records (JSONL) to resume and add to; "
                         "several processes may share it (one file each); default: a temporary one")
+    parser.add_argument("--k", type=float, default=K, help=f"the tie factor to judge at (parity's: {K:g})")
     parser.add_argument("--table", action="store_true", help="print the table of --records only, run nothing")
     args = parser.parse_args()
     runs = 5 if args.quick else args.runs
@@ -267,13 +297,13 @@ def main() -> None:
                 sys.exit(f"{runs} runs of {args.prompts} prompts need {runs * args.prompts} distinct windows; the "
                          f"held-out text has {len(prompts)}: fewer --runs or --prompts")
             print(f"{runs} runs a cell, {args.prompts} distinct held-out prompts a run ({len(prompts)} windows of "
-                  f"{CONTEXT} tokens), {args.tokens} tokens, depth {DEPTH}, K = {K:g}", flush=True)
-            done = {(r["precision"], r["sabotage"], r["prompts"], r["tokens"], r["run"]) for r in read_records(folder)}
+                  f"{CONTEXT} tokens), {args.tokens} tokens, depth {DEPTH}, K = {args.k:g}", flush=True)
+            done = {(r["precision"], r["sabotage"], r["prompts"], r["tokens"], r["run"]) for r in read_records(folder, args.k)}
             out_file = folder / f"{os.getpid()}.jsonl"
             for name in args.precision or PRECISIONS:
                 for sabotage in args.sabotage or SABOTAGES:
                     measure_cell(name, sabotage, runs, args, prompts, done, out_file, Path(tmp))
-        print_table(read_records(folder), args)
+        print_table(read_records(folder, args.k), args)
 
 
 if __name__ == "__main__":
