@@ -39,7 +39,7 @@ from eagle31_export.formats.nvfp4.numerics import ambiguous_roundings
 from eagle31_export.reference.speculate import SpecResult, Top
 
 TOP_MEASURED = 16  # candidates whose shifts give a decision's error scale
-K = 6.0  # ties within K x the measured error (docs/runtimes.md, "Ties: what the runtime's precision explains")
+K = 5.0  # ties within K x the measured error (docs/runtimes.md, "Ties: what the runtime's precision explains")
 RUNTIME_ERROR_RATIO = 2.0  # a runtime's margin shifts against the measured error's, for the budget (measured)
 BUDGET_ALPHA = 1e-3  # a faithful runtime exceeds the tie budget at most this often (under the model)
 MIN_ERROR = 1e-12  # an error scale of exactly 0 (identical candidates) stays a scale
