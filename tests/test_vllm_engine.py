@@ -474,7 +474,8 @@ def assert_faithful_half_precision_pass(report):
     assert not report.exact and report.ties_judged and all(not r.untied for r in report.rows)
     budget = report.tie_budget
     assert budget is not None and budget.observed <= budget.allowed, budget
-    print(f"ties {budget.observed}, expected {budget.expected:.2f}, allowed {budget.allowed}; {report.numerics}")
+    print(f"ties {budget.observed}, expected {budget.expected:.2f}, allowed {budget.allowed}, the largest "
+          f"{report.numerics['largest_tie']} x its measured error; {report.numerics}")
     assert_not_vacuous(report)
 
 

@@ -105,6 +105,9 @@ def test_modelopt_targets_differ_by_numerical_ties_only_in_bf16(vllm, targets, n
     assert "activations compared: FP4 (NVFP4, W4A4), set: the local engine this run started" in markdown(report)
     differing = [r for r in report.rows if not (r.tokens_identical and r.accepted_identical)]
     assert all(r.ties for r in differing)  # every differing prompt is explained by its listed ties
+    # the PASS names what bf16 with FP4 activations, judged on vLLM's accepted counts, cannot exclude
+    named = " ".join(report.not_excluded)
+    assert all(bug in named for bug in ("fc scaled by 1.05", "1 / input_scale", "rope_theta x4")), named
 
 
 def test_an_activation_flag_the_engine_contradicts_is_refused(vllm, targets):

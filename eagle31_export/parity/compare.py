@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from eagle31_export.errors import UserError
+from eagle31_export.parity.blind_spots import blind_spots
 from eagle31_export.parity.concurrency import (
     ConcurrencyRow, Judge, LoadRuns, check_runtime_serves, compare_levels, compare_repeats, run_levels,
 )
@@ -89,6 +90,7 @@ class PromptRow:
     untied: list[str] | None = None
     # ties this prompt's precision explains (parity/numerics.py): observed, expected, decisions
     tie_budget: dict | None = None
+    largest_tie: float | None = None  # the largest tie's gap in units of its measured error (at most K)
 
 
 @dataclass
@@ -175,11 +177,20 @@ class ParityReport:
                 said += (f"; a bug that moves a decision by less than {self.thresholds.tie_k:g} x its measured "
                          f"error (median {self.numerics['median_error']:.2g} logits here) is not told from "
                          "precision one decision at a time")
+            if self.not_excluded:
+                said += "; a PASS here does not exclude " + "; nor ".join(self.not_excluded)
             return said
         if self.exact:
             return f"{seen}: identical (fp32, exact)"
         return (f"mean tau within {self.thresholds.tau_rel_tol:.0%}; prompts with differing tokens counted, not "
                 "failed (half precision: statistical)")
+
+    @property
+    def not_excluded(self) -> list[str]:
+        """What a PASS at this comparison's precision cannot exclude (parity/blind_spots.py)."""
+        if self.temperature != 0 or not self.ties_judged:
+            return []
+        return blind_spots(self.exact, self.thresholds.fp4_activations, self.drafts_reported)
 
     @property
     def ties_judged(self) -> bool:
@@ -211,7 +222,7 @@ class ParityReport:
         return {"passed": self.passed, "verdict": self.verdict, "inconclusive": self.inconclusive,
                 "runtime": self.runtime, "mode": self.mode, "depth": self.depth,
                 "temperature": self.temperature, "exact_comparison": self.exact,
-                "compared": self.compared,
+                "compared": self.compared, "not_excluded": self.not_excluded,
                 "thresholds": asdict(self.thresholds), "numerics": self.numerics, "activations": self.activations,
                 "ties": self.tie_count if self.ties_judged else None,
                 "tie_budget": None if self.tie_budget is None else self.tie_budget.to_json(),
@@ -344,6 +355,8 @@ def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResu
         tie_budget=None if found is None else {
             **expected_ties(ref, run, measured, drafts_reported).to_json(),
             "observed": sum(d.tie and not d.decided_by_token for d in found)},
+        largest_tie=max((d.gap / d.error for d in found or [] if d.tie and d.error and math.isfinite(d.error)
+                         and math.isfinite(d.gap)), default=None),
     )
 
 
@@ -519,6 +532,8 @@ def _summarize(report: ParityReport, measurer: Measurer | None) -> None:
     if measurer is None or not report.ties_judged:
         return
     report.numerics = measurer.summary(report.thresholds.tie_k)
+    report.numerics["largest_tie"] = max((r.largest_tie for r in report.rows if r.largest_tie is not None),
+                                         default=None)
     budget = report.tie_budget
     if budget is not None and budget.exceeded:
         report.failures.append(

@@ -193,7 +193,9 @@ def tie_lines(report: ParityReport) -> list[str]:
     if n.get("median_error") is not None:
         lines += [f"Measured over {n['decisions']} decisions: error median {n['median_error']:.2g}, p99 "
                   f"{n['p99_error']:.2g} logits; top-2 margin shift / error median {n['z_median']:.2g}, p99 "
-                  f"{n['z_p99']:.2g}, max {n['z_max']:.2g}.", ""]
+                  f"{n['z_p99']:.2g}, max {n['z_max']:.2g}."
+                  + (f" Largest tie: {n['largest_tie']:.2g} x its measured error." if n.get("largest_tie") is not None
+                     else ""), ""]
     if budget is not None:
         lines += [f"Tie budget: {budget.observed} observed, {budget.expected:.2g} expected over {budget.decisions} "
                   f"decisions, at most {budget.allowed} allowed.", ""]
