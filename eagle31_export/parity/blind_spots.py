@@ -6,8 +6,9 @@ them, so that a PASS in half precision or with FP4 activations is not read as mo
 
 from __future__ import annotations
 
-SMALL_SYSTEMATIC = "a small systematic error such as fc scaled by 1.05 (seldom told from half precision)"
-INPUT_SCALE = "activations quantized under global scale 1 instead of 1 / input_scale (seldom told from FP4 precision)"
+SMALL_SYSTEMATIC = "a small systematic error such as fc scaled by 1.05 (told from half precision in some runs only)"
+INPUT_SCALE = ("activations quantized under global scale 1 instead of 1 / input_scale (told from FP4 precision in "
+               "some runs only)")
 INPUT_SCALE_FP32 = ("activations quantized under global scale 1 instead of 1 / input_scale, in part: the FP4 "
                     "rounding band excuses many of the roundings it moves")
 COUNTS_AT_FP4 = ("tapped layers shifted by one, or rope_theta x4, in a few runs of this size: on accepted counts "
