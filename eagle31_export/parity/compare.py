@@ -355,8 +355,7 @@ def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResu
         tie_budget=None if found is None else {
             **expected_ties(ref, run, measured, drafts_reported).to_json(),
             "observed": sum(d.tie and not d.decided_by_token for d in found)},
-        largest_tie=max((d.gap / d.error for d in found or [] if d.tie and d.error and math.isfinite(d.error)
-                         and math.isfinite(d.gap)), default=None),
+        largest_tie=max((d.ratio for d in found or [] if d.tie and d.ratio is not None), default=None),
     )
 
 

@@ -49,12 +49,19 @@ class Divergence:
     rank: int | None = None  # the runtime's choice among the reference's candidates (None: not known)
     decided_by_token: bool = False  # a round that differs because a token it verified differs (not counted again)
 
+    @property
+    def ratio(self) -> float | None:
+        """The gap in units of the measured error (None: not measured, or not finite)."""
+        if self.error is None or self.error <= 0 or not math.isfinite(self.error) or not math.isfinite(self.gap):
+            return None
+        return self.gap / self.error
+
     def describe(self) -> str:
         where = (f"token {self.index}" if self.kind == "token"
                  else f"round {self.index}, draft position {self.draft_position}")
         said = f"{where}: reference logit gap {self.gap:.3g}"
-        if self.error is not None and self.error > 0 and math.isfinite(self.error) and math.isfinite(self.gap):
-            said += f" = {self.gap / self.error:.2g} x the measured error {self.error:.2g}"
+        if self.ratio is not None:
+            said += f" = {self.ratio:.2g} x the measured error {self.error:.2g}"
         if self.decided_by_token:
             said = f"{where}: decided by a differing token it verified"
         elif self.rank is not None and self.rank > 2:
