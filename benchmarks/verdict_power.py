@@ -27,7 +27,9 @@ show a rate of at least 0.99, 300 without a false alarm at most 0.01.
 
 `--records FOLDER` keeps every run (one JSON line, one file per process): a stopped measurement
 resumes where it stopped, several processes (one per precision) share the folder, and `--table`
-prints the table from it. The distribution that K comes from is printed last: z = |top-2 margin
+prints the table from it. Every record keeps its K and its largest difference in measured errors;
+`--k` judges at another tie factor, reusing a record measured at a larger one only where its verdict
+provably stands (`at_k`). The distribution that K comes from is printed last: z = |top-2 margin
 shift| / measured error over every faithful decision, and each faithful difference's margin in
 units of its measured error.
 """
