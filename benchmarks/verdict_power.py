@@ -17,9 +17,11 @@ numerics look like to parity.
 
 A run is what `parity` does by default: 8 prompts, 32 new tokens each, depth 3. Its prompts are
 windows of the tiny pair's held-out text that overlap no other run's (prompt and generated text
-included), so runs are independent draws; run r of every cell gets the same ones. Every run is
-judged twice: as our runtimes are (every draft compared) and as vLLM is (accepted counts only,
-`reports_drafts` False). A run stops early once all four verdicts (measured and old rule, drafts
+included), so runs are independent draws; run r of every cell gets the same ones. Past the 324
+runs the held-out text holds, windows of standard-library text the pair never trained on follow
+(`unseen_texts`). Every run is judged twice: as our runtimes and a local vLLM engine with our
+plugin's draft log are (every draft compared), and as a vLLM server at --url is (accepted counts
+only, `reports_drafts` False). A run stops early once all four verdicts (measured and old rule, drafts
 and counts) have failed for good: an untied difference fails a report whatever its other prompts
 hold, and the old rule has no budget, so the verdicts are the whole run's. Detection and false
 alarms are counted per cell, with the exact one-sided 95 % binomial bound: 300 runs without a miss
@@ -43,6 +45,7 @@ import os
 import random
 import shutil
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -165,17 +168,33 @@ def _clopper_lower(k: int, n: int, alpha: float = 0.05) -> float:
 CONTEXT = 48  # prompt tokens: a window of held-out text
 
 
-def prompt_windows(tokens: int) -> list[list[int]]:
+def prompt_windows(tokens: int, needed: int = 0) -> list[list[int]]:
     """Every held-out text cut into windows that do not overlap, prompt and generated text included
     (CONTEXT + tokens apart), in a fixed shuffled order: runs draw distinct prompts from all over the
-    texts, and run r of every cell the same ones."""
-    tokenizer, stride = PAIR.tokenizer(), CONTEXT + tokens
-    out = []
-    for text in PAIR.held_out_texts():
+    texts, and run r of every cell the same ones. Where `needed` is more, windows of `unseen_texts`
+    follow, shuffled apart, so the first runs keep their prompts."""
+    out = _windows(PAIR.held_out_texts(), tokens)
+    if needed > len(out):
+        out += _windows(unseen_texts(), tokens)
+    return out
+
+
+def _windows(texts: list[str], tokens: int) -> list[list[int]]:
+    tokenizer, stride, out = PAIR.tokenizer(), CONTEXT + tokens, []
+    for text in texts:
         ids = tokenizer(text)["input_ids"]
         out += [ids[i:i + CONTEXT] for i in range(0, len(ids) - stride + 1, stride)]
     random.Random(0).shuffle(out)
     return out
+
+
+def unseen_texts() -> list[str]:
+    """The standard library's files below its top level, which the tiny pair never trained on (its
+    corpus is the top-level files, examples/tiny/corpus.py), less installed packages and test suites."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skipped = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
+    files = sorted(f for f in stdlib.rglob("*.py") if f.parent != stdlib and not skipped & set(f.parts))
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
 
 
 def read_records(folder: Path, k: float = K) -> list[dict]:
@@ -294,10 +313,10 @@ def main() -> None:
         folder = args.records or Path(tmp) / "records"
         folder.mkdir(parents=True, exist_ok=True)
         if not args.table:
-            prompts = prompt_windows(args.tokens)
+            prompts = prompt_windows(args.tokens, runs * args.prompts)
             if runs * args.prompts > len(prompts):
                 sys.exit(f"{runs} runs of {args.prompts} prompts need {runs * args.prompts} distinct windows; the "
-                         f"held-out text has {len(prompts)}: fewer --runs or --prompts")
+                         f"held-out and unseen text has {len(prompts)}: fewer --runs or --prompts")
             print(f"{runs} runs a cell, {args.prompts} distinct held-out prompts a run ({len(prompts)} windows of "
                   f"{CONTEXT} tokens), {args.tokens} tokens, depth {DEPTH}, K = {args.k:g}", flush=True)
             done = {(r["precision"], r["sabotage"], r["prompts"], r["tokens"], r["run"]) for r in read_records(folder, args.k)}

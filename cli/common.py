@@ -59,16 +59,20 @@ MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(
     "--max-num-batched-tokens", min=1, help="--runtime vllm: the local engine's tokens per step (vLLM's "
                                             "--max-num-batched-tokens; default: vLLM's). A prompt longer than "
                                             "what a step has left is prefilled in chunks.")]
+DraftLogOpt = Annotated[Optional[Path], typer.Option(
+    "--draft-log", help="--runtime vllm: the folder our vLLM plugin logs the engine's drafts in (a server at --url "
+                        "on this machine, started with EAGLE31_VLLM_DRAFT_LOG=DIR): every draft is then compared. "
+                        "A local engine logs them by itself.")]
 RuntimeUrlOpt = Annotated[Optional[str], typer.Option(
     "--url", help="A running server: Triton HTTP HOST:PORT (--runtime triton) or a vLLM OpenAI-compatible "
                   "server http://HOST:PORT (--runtime vllm).")]
 
 
 def vllm_options(vllm: str | None, port: int | None, engine_timeout: float,
-                 max_num_batched_tokens: int | None = None) -> dict:
-    """The LoadOptions fields of a local vLLM engine."""
+                 max_num_batched_tokens: int | None = None, draft_log: Path | None = None) -> dict:
+    """The LoadOptions fields of a vLLM engine (local, but for `draft_log`)."""
     return {"vllm": vllm, "port": port, "engine_timeout": engine_timeout,
-            "max_num_batched_tokens": max_num_batched_tokens}
+            "max_num_batched_tokens": max_num_batched_tokens, "draft_log": draft_log}
 
 
 DeviceOpt = Annotated[str, typer.Option(

@@ -12,6 +12,7 @@ from rich.console import Console
 from eagle31_export.cli.common import (
     SEED_MAX,
     DeviceOpt,
+    DraftLogOpt,
     EngineTimeoutOpt,
     MaxBatchedTokensOpt,
     PortOpt,
@@ -69,6 +70,7 @@ def parity(
     port: PortOpt = None,
     engine_timeout: EngineTimeoutOpt = 600.0,
     max_num_batched_tokens: MaxBatchedTokensOpt = None,
+    draft_log: DraftLogOpt = None,
     concurrency: Optional[str] = typer.Option(None, "--concurrency", help="Also serve every prompt with C requests "
                                               "in flight, for each C of a list such as 1,4,16 (runtimes that serve "
                                               "requests: onnxruntime, triton, vllm); compared with C = 1 and the "
@@ -100,7 +102,8 @@ def parity(
         report = check_parity(runtime, bundle, drafter, target, url, prompts, depth, max_new_tokens, temperature, seed,
                               phases, mode, capture=capture, act_quant=act_quant, device=device,
                               runtime_options={"dtype": parse_dtype(runtime_dtype) if runtime_dtype else None,
-                                               **vllm_options(vllm, port, engine_timeout, max_num_batched_tokens)},
+                                               **vllm_options(vllm, port, engine_timeout, max_num_batched_tokens,
+                                                               draft_log)},
                               concurrency=levels, repeat=repeat, top_p=top_p, top_k=top_k,
                               sampling_rule=sampling_rule, context=lengths)
         if out is not None:

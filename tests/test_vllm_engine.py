@@ -29,6 +29,7 @@ from eagle31_export.parity.report import markdown
 from eagle31_export.parity.mixed_batches import MIXED_BATCHES
 from eagle31_export.parity.sides import ENGINE_CHUNK_TAIL_BROKEN, ENGINE_SAMPLER_BROKEN, check_parity
 from eagle31_export.runtime.registry import LoadOptions
+from eagle31_export.runtime.vllm_drafts import DRAFT_LOG_ENV, HOW as DRAFTS_LOGGED
 from eagle31_export.runtime.vllm_engine import LocalServer, find_vllm
 from eagle31_export.runtime.vllm_runtime import engine_args
 
@@ -120,10 +121,15 @@ def bundle_of(tmp_path, drafter, layout="auto", target=TARGET):
 
 
 def assert_exact_pass(report):
+    """A local engine's drafts come from our plugin's log (runtime/vllm_drafts.py), and each equals the
+    reference's; a server at --url reports none."""
     assert report.passed, report.failures
-    assert report.exact and not report.drafts_reported and report.mode == "replay"
+    assert report.exact and report.mode == "replay"
+    local = report.runtime_dtype["basis"] == "set"  # an engine this run started (else a server at --url)
+    assert report.drafts_reported is local and (report.drafts_source == DRAFTS_LOGGED if local else
+                                                report.drafts_source is None), report.drafts_source
     for row in report.rows:
-        assert row.tokens_identical and row.accepted_identical
+        assert row.tokens_identical and row.accepted_identical and row.drafts_identical
         assert row.accepted_per_position_runtime == row.accepted_per_position_reference
         assert row.rounds_runtime == row.rounds_reference
     assert_not_vacuous(report)
@@ -185,12 +191,13 @@ def _comparable(report) -> dict:
 def _without_measured_error(data: dict) -> dict:
     """A report less what depends on the reference's own float error, which this process (1 torch thread)
     and the command's (its default threads) measure a little differently: timings, the numerics measured,
-    the median error quoted in `compared` and each prompt's expected tie count."""
+    the median error quoted in `compared` and each prompt's expected tie count (and the decisions it is
+    counted over, which the drafts a local engine's log adds to)."""
     data = json.loads(json.dumps(data))
     for key in ("timings", "numerics"):
         data.pop(key, None)
     data["compared"] = re.sub(r"median [0-9.e+-]+ logits", "median _ logits", data["compared"])
-    for row in data.get("rows", []):
+    for row in data.get("prompts", []):
         for key in [k for k in (row.get("tie_budget") or {}) if k != "observed"]:
             row["tie_budget"].pop(key)
     data.pop("tie_budget", None)
@@ -200,10 +207,14 @@ def _without_measured_error(data: dict) -> dict:
 @pytest.fixture(scope="module")
 def url_server(vllm, tmp_path_factory):
     """A server started apart over the eagle31 bundle (the arguments a local engine gets), shared by the
-    tests that reach one with --url. It says nothing of its dtype (no development endpoints)."""
+    tests that reach one with --url. It says nothing of its dtype (no development endpoints). Our plugin
+    logs its drafts in `server.draft_log`, which parity reads where told (--draft-log)."""
     root = tmp_path_factory.mktemp("vllm-url")
     record = read_bundle(export_vllm(DRAFTER31, TARGET, root / "bundle"))
-    with LocalServer(find_vllm(vllm), engine_args(record, LoadOptions(depth=3)), root) as server:
+    (root / "drafts").mkdir()
+    with LocalServer(find_vllm(vllm), engine_args(record, LoadOptions(depth=3)), root,
+                     env={DRAFT_LOG_ENV: str(root / "drafts")}) as server:
+        server.draft_log = root / "drafts"
         yield server
 
 
@@ -227,6 +238,11 @@ def test_cli_local_engine_and_url_give_the_same_report(vllm, tmp_path, url_serve
                                           "how": "the local engine this run started with --dtype float32"}
     stated = remote_json.pop("runtime_dtype")
     assert stated["dtype"] == "float32" and stated["basis"] == "stated", stated
+    # the local engine's drafts are logged by our plugin and compared one by one; the server's are not known
+    assert (local.pop("drafts_reported"), remote_json.pop("drafts_reported")) == (True, False)
+    assert (local.pop("drafts_source"), remote_json.pop("drafts_source")) == (DRAFTS_LOGGED, None)
+    assert ", drafts:" in local.pop("compared") and "reports no drafts" in remote_json.pop("compared")
+    local.pop("not_excluded"), remote_json.pop("not_excluded")
     # the reference's own per-depth RMS differs in the last digits between this process (1 torch thread)
     # and the command's (its default threads); everything the runtime decides is identical
     ref_local, ref_remote = local["per_depth"].pop("reference"), remote_json["per_depth"].pop("reference")
@@ -382,6 +398,16 @@ def test_url_sampling_needs_the_servers_rule(vllm, url_server):
     _assert_one_line(*cli(*base, "--sampling-rule", "rejection"), "vLLM samples by greedy-drafts")
 
 
+def test_a_draft_log_the_server_does_not_write_is_refused(vllm, url_server, tmp_path):
+    """--draft-log names where the server's plugin logs: a missing folder, or one it does not log in,
+    is one line (nothing compared on drafts that are not the engine's)."""
+    base = ("parity", "--drafter", DRAFTER31, "--target", TARGET, "--runtime", "vllm", "--url", url_server.url,
+            "--runtime-dtype", "fp32")
+    _assert_one_line(*cli(*base, "--draft-log", tmp_path / "missing"), "--draft-log", "no such folder",
+                     DRAFT_LOG_ENV)
+    _assert_one_line(*cli(*base, "--draft-log", tmp_path), "did not log this request's drafts there")
+
+
 def test_url_of_a_server_that_does_not_tell_its_dtype_needs_runtime_dtype(vllm, url_server):
     """vLLM 0.32 says what it computes in on /server_info only (a development endpoint); without it,
     --url takes --runtime-dtype, or the comparison would assume fp32 of a server that may be bf16."""
@@ -390,8 +416,9 @@ def test_url_of_a_server_that_does_not_tell_its_dtype_needs_runtime_dtype(vllm, 
 
 
 def test_repeats_are_identical_and_served_from_the_prefix_cache(vllm, url_server, tmp_path):
-    """`parity --runtime vllm --repeat 3 --concurrency 1,4,16` in fp32: every prompt sent three more times
-    at each level equals the level's first send, tokens and every round (vLLM issue 41838), but for
+    """`parity --runtime vllm --repeat 3 --concurrency 1,4,16` in fp32, every draft compared (the server's
+    log, --draft-log): every prompt sent three more times at each level equals the level's first send,
+    tokens, drafts and every round (vLLM issue 41838), but for
     differences the fp32 rounding measured at that decision explains, and each of those sends was
     served in part from the engine's prefix cache (the default prompts open alike with REPEAT_OPENING
     tokens), as the report shows. At C = 16 the prompts in flight exceed the CPU build's 2048 tokens a
@@ -400,7 +427,7 @@ def test_repeats_are_identical_and_served_from_the_prefix_cache(vllm, url_server
     out = tmp_path / "report"
     code, stdout, err = cli("parity", "--drafter", DRAFTER31, "--target", TARGET, "--runtime", "vllm", "--url",
                             url_server.url, "--runtime-dtype", "fp32", "--repeat", 3, "--concurrency", "1,4,16",
-                            "--out", out)
+                            "--draft-log", url_server.draft_log, "--out", out)
     assert code == 0, (stdout[-3000:], err[-2000:])
     report = json.loads((out / "report.json").read_text())
     rows = {row["concurrency"]: row for row in report["concurrency"]}
@@ -417,6 +444,8 @@ def test_repeats_are_identical_and_served_from_the_prefix_cache(vllm, url_server
             assert 128 <= r["prefix_cache_hits"] <= r["prefix_cache_queries"], (c, r)
     assert rows[4]["batching"]["largest"] >= 4 and rows[16]["batching"]["largest"] >= 8
     assert report["runtime_dtype"]["basis"] == "stated"
+    assert report["drafts_reported"] and report["drafts_source"] == DRAFTS_LOGGED
+    assert all(p["drafts_identical"] for p in report["prompts"])
     md = (out / "report.md").read_text()
     assert "## Repeats" in md and "served from the prefix cache over 3 repeats" in md, md
     assert "runtime dtype: float32, **stated, not observed**" in md

@@ -13,7 +13,7 @@ INPUT_SCALE_FP32 = ("activations quantized under global scale 1 instead of 1 / i
                     "rounding band excuses many of the roundings it moves")
 COUNTS_AT_FP4 = ("tapped layers shifted by one, or rope_theta x4, in a few runs of this size: on accepted counts "
                  "only, with FP4 activations, they move decisions by about what FP4 precision does; more prompts "
-                 "tell them")
+                 "tell them, and so do the engine's drafts (a local vLLM engine with our plugin logs them)")
 
 
 def blind_spots(exact: bool, fp4_activations: bool, drafts_reported: bool) -> list[str]:

@@ -103,6 +103,7 @@ class ParityReport:
     mode: str = "autoregressive"
     # what the runtime lets us see: drafts (our runtimes) or tokens and acceptance counts only (vLLM)
     drafts_reported: bool = True
+    drafts_source: str | None = None  # how they are known where the engine's loop does not return them (vllm: a log)
     rows: list[PromptRow] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     # per draft depth, both sides: teacher-forced agreement/acceptance and fed-back state RMS (parity/diagnose.py)
@@ -223,6 +224,7 @@ class ParityReport:
                 "runtime": self.runtime, "mode": self.mode, "depth": self.depth,
                 "temperature": self.temperature, "exact_comparison": self.exact,
                 "compared": self.compared, "not_excluded": self.not_excluded,
+                "drafts_reported": self.drafts_reported, "drafts_source": self.drafts_source,
                 "thresholds": asdict(self.thresholds), "numerics": self.numerics, "activations": self.activations,
                 "ties": self.tie_count if self.ties_judged else None,
                 "tie_budget": None if self.tie_budget is None else self.tie_budget.to_json(),

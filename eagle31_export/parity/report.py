@@ -124,6 +124,8 @@ def dtype_lines(report: ParityReport) -> list[str]:
     e = report.engine_sampler
     if e and report.temperature != 0:
         lines += [f"engine's sampler: {e['state']} ({e['how']})", ""]
+    if report.drafts_source:
+        lines += [f"engine's drafts: {report.drafts_source}", ""]
     t = report.engine_chunk_tail
     if t:
         lines += [f"engine's drafter at a prefill chunk's end reads: {t['state']} ({t['how']})", ""]

@@ -224,6 +224,7 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
             seen["runtime_dtype"] = getattr(speculator, "runtime_dtype", None)
             seen["engine_sampler"] = getattr(speculator, "engine_sampler", None)
             seen["engine_chunk_tail"] = getattr(speculator, "engine_chunk_tail", None)
+            seen["drafts_source"] = getattr(speculator, "drafts_source", None)
             return speculator
 
         def load_reference():
@@ -247,6 +248,7 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
         report.runtime_dtype = seen.get("runtime_dtype")
         report.engine_sampler = seen.get("engine_sampler")
         report.engine_chunk_tail = seen.get("engine_chunk_tail")
+        report.drafts_source = seen.get("drafts_source")
         if report.failures and (report.engine_chunk_tail or {}).get("broken"):
             report.failures[:0] = [chunk_tail_failure(report.engine_chunk_tail)]
         if temperature != 0 and (report.engine_sampler or {}).get("broken"):  # said first: it breaks every sample

@@ -58,6 +58,7 @@ class LoadOptions:
     engine_timeout: float = 600.0  # vllm: seconds a local engine may take to become ready
     max_context: int | None = None  # the longest sequence a run holds (vllm: the local engine serves at least this)
     max_num_batched_tokens: int | None = None  # vllm: the local engine's tokens per step (None: vLLM's default)
+    draft_log: Path | None = None  # vllm: the folder our plugin logs the engine's drafts in (runtime/vllm_drafts.py)
 
 
 def request_sampling(temperature: float | Sampling | list, i: int) -> float | Sampling:

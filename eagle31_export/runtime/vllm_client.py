@@ -264,9 +264,10 @@ class VllmClient:
         return str(method) if method else None
 
     def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float | Sampling = 0.0, seed: int = 0,
-                 stop_ids: tuple[int, ...] = ()) -> Completion:
+                 stop_ids: tuple[int, ...] = (), request_id: str | None = None) -> Completion:
         """One completion from token ids. Generation runs to `max_tokens` (or a stop id), as our own
-        loop does: the model's EOS and the server's default sampling settings do not apply."""
+        loop does: the model's EOS and the server's default sampling settings do not apply.
+        `request_id`: the request's name, which vLLM keeps inside its own id (runtime/vllm_drafts.py)."""
         # No top_k / top_p / min_p / repetition_penalty unless asked, not even at their neutral values:
         # vLLM 0.32 then takes another sampling path (docs/runtimes.md, "Sampling").
         sampling = Sampling.of(temperature)
@@ -274,7 +275,8 @@ class VllmClient:
                 "temperature": sampling.temperature, "seed": seed, "ignore_eos": True,
                 "stop_token_ids": list(stop_ids), "return_token_ids": True,
                 **({"top_p": sampling.top_p} if sampling.top_p < 1 else {}),
-                **({"top_k": sampling.top_k} if sampling.top_k else {})}
+                **({"top_k": sampling.top_k} if sampling.top_k else {}),
+                **({"request_id": request_id} if request_id else {})}
         try:
             answer = json.loads(self._request("/v1/completions", body))
         except (urllib.error.URLError, OSError) as err:

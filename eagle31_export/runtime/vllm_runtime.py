@@ -11,8 +11,9 @@ Two ways in:
   the requested dtype (fp32: exact), the requested depth as `num_speculative_tokens`, eager mode,
   token ids in and out, and per-request acceptance of every verification step. Stopped on `close()`.
 
-vLLM does not report its drafts, so parity compares tokens, the accepted count of every round and the
-per-position counts (`reports_drafts` is False).
+vLLM does not report its drafts. A local engine with our vLLM plugin logs them (runtime/vllm_drafts.py),
+and parity compares every draft as it does on our runtimes; a server at --url is compared on tokens,
+the accepted count of every round and the per-position counts (`reports_drafts` False).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from eagle31_export.runtime.contract import (
     BatchFigures, ConcurrentRun, LoadOptions, PairSource, Speculator, request_sampling,
 )
 from eagle31_export.runtime.vllm_client import Completion, EngineMetrics, RunningSampler, SpecCounters, VllmClient
+from eagle31_export.runtime.vllm_drafts import DRAFT_LOG_PLUGIN, HOW as DRAFTS_HOW, DraftLog
 from eagle31_export.runtime.vllm_engine import CPU_NVFP4_PLUGIN, LocalServer, VllmInstall, find_vllm
 
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # model.layers.1.mlp.experts.7.gate_proj
@@ -46,12 +48,15 @@ VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 class VllmSpeculator(Speculator):
     name = "vllm"
-    reports_drafts = False  # vLLM returns tokens and acceptance counts, not its drafts
     serves_concurrently = True  # the engine schedules the requests in flight as one batch
 
     def __init__(self, client: VllmClient, exact: bool, server: LocalServer | None = None,
-                 cleanup: Path | None = None, runtime_dtype: dict | None = None):
+                 cleanup: Path | None = None, runtime_dtype: dict | None = None, draft_log: DraftLog | None = None):
         self.client, self.exact, self.server = client, exact, server
+        # vLLM returns tokens and acceptance counts; its drafts only where our plugin logs them (a local engine)
+        self.draft_log = draft_log
+        self.reports_drafts = draft_log is not None
+        self.drafts_source = DRAFTS_HOW if draft_log is not None else None  # said in the report
         # what the engine computes in, and how we know: {"dtype", "basis": set | observed | stated, "how"}
         self.runtime_dtype = runtime_dtype
         names = {name: dtype for dtype, name in VLLM_DTYPES.items()}
@@ -94,9 +99,11 @@ class VllmSpeculator(Speculator):
 
     def run(self, prompt_ids, max_new_tokens, depth, temperature=0.0, seed=0, stop_ids=(), observer=None):
         before = self._counters()
-        done = self.client.complete(list(prompt_ids), max_new_tokens, temperature, seed, tuple(stop_ids))
+        name = self.draft_log.new_request_id() if self.draft_log else None
+        done = self.client.complete(list(prompt_ids), max_new_tokens, temperature, seed, tuple(stop_ids), name)
         counts = self._counters() - before
-        result = SpecResult(done.tokens, [], self._accepted_per_step(done, counts, depth), depth)
+        accepted = self._accepted_per_step(done, counts, depth)
+        result = SpecResult(done.tokens, self._drafts(name, accepted), accepted, depth)
         if observer is not None:
             replay_rounds(result, observer)
         return result
@@ -113,12 +120,14 @@ class VllmSpeculator(Speculator):
         # machine, threads started one by one let short requests finish before the last one is sent
         opening = threading.Barrier(min(concurrency, len(prompts)))
 
+        names = [self.draft_log.new_request_id() if self.draft_log else None for _ in prompts]
+
         def one(i: int) -> Completion:
             with sampler.request() if sampler else contextlib.nullcontext():
                 if i < opening.parties:
                     _wait(opening)
                 return self.client.complete(list(prompts[i]), max_new_tokens, request_sampling(temperature, i),
-                                            seed + i, ())
+                                            seed + i, (), names[i])
 
         before = self._metrics()
         with sampler or contextlib.nullcontext():
@@ -128,13 +137,18 @@ class VllmSpeculator(Speculator):
         pooled = after.spec - before.spec
         self._check_depth(next((d.spec_metrics for d in done if d.spec_metrics), None), pooled, depth)
         per_request = all("per_step_accepted" in (d.spec_metrics or {}) for d in done)
-        results = [SpecResult(d.tokens, [], [int(a) for a in d.spec_metrics["per_step_accepted"]] if per_request else [],
-                              depth) for d in done]
+        accepted = [[int(a) for a in d.spec_metrics["per_step_accepted"]] if per_request else [] for d in done]
+        results = [SpecResult(d.tokens, self._drafts(name, steps) if per_request else [], steps, depth)
+                   for d, name, steps in zip(done, names, accepted)]
         counters = {"rounds": pooled.drafts, "accepted": pooled.accepted_tokens,
                     "accepted_per_position": (pooled.accepted_per_position + [0] * depth)[:depth],
                     **engine_deltas(before, after)}
         batching = batch_figures(sampler, min(concurrency, len(prompts)), counters) if sampler else None
         return ConcurrentRun(results, counters, per_request, batching)
+
+    def _drafts(self, name: str | None, accepted: list[int]) -> list[list[int]]:
+        """The request's drafts, round by round, from the engine's draft log; [] where none is kept."""
+        return [] if self.draft_log is None else self.draft_log.take(name, accepted)
 
     def _metrics(self) -> EngineMetrics:
         metrics = self.client.metrics()
@@ -311,7 +325,8 @@ def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir: Path
                             "own (start it with --max-num-batched-tokens), so drop one of the two")
         client = VllmClient(source.url)
         served = served_dtype(client, options.dtype)
-        return VllmSpeculator(client, served["dtype"] == "float32", runtime_dtype=served)
+        draft_log = DraftLog(options.draft_log, served=True) if options.draft_log else None
+        return VllmSpeculator(client, served["dtype"] == "float32", runtime_dtype=served, draft_log=draft_log)
     exact = options.dtype in (torch.float32, torch.float64)
     if source.capture is not None:
         raise UserError("--runtime vllm runs the target itself: give --target (or a bundle), not --capture")
@@ -320,8 +335,13 @@ def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir: Path
     try:
         bundle = _bundle(source, workdir or own, options.depth)
         record = _checked_record(bundle, install)
+        if options.draft_log and DRAFT_LOG_PLUGIN not in install.plugins:
+            raise UserError(f"--draft-log: {install.describe()} has no draft-log plugin: install ours into that "
+                            "environment (pip install --no-deps plugins/vllm; `make setup-vllm` does)")
+        draft_log = (DraftLog(options.draft_log or (workdir or own) / "drafts")
+                     if DRAFT_LOG_PLUGIN in install.plugins else None)
         server = LocalServer(install, engine_args(record, options), workdir or own, port=options.port,
-                             ready_timeout=options.engine_timeout)
+                             ready_timeout=options.engine_timeout, env=draft_log.env if draft_log else None)
         server.start()
     except BaseException:
         if own is not None:
@@ -329,7 +349,8 @@ def load(source: PairSource, options: LoadOptions = LoadOptions(), workdir: Path
         raise
     dtype = VLLM_DTYPES[options.dtype]  # engine_args refused any other
     how = f"the local engine this run started with --dtype {dtype}"
-    return VllmSpeculator(VllmClient(server.url), exact, server, own, {"dtype": dtype, "basis": "set", "how": how})
+    return VllmSpeculator(VllmClient(server.url), exact, server, own, {"dtype": dtype, "basis": "set", "how": how},
+                          draft_log)
 
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # vLLM's names -> --runtime-dtype's

@@ -1,6 +1,8 @@
-"""Our vLLM general plugins (two entry points, plugins/vllm/pyproject.toml): this module's `register`
+"""Our vLLM general plugins (four entry points, plugins/vllm/pyproject.toml): this module's `register`
 lists NVFP4 linear layers on vLLM's CPU build through vLLM's own software kernel; `cpu_sampler`
-fixes the CPU rejection sampler's per-request expansion where the shipped shim is broken.
+fixes the CPU rejection sampler's per-request expansion where the shipped shim is broken;
+`chunk_tail` feeds the EAGLE drafter the right token at a prefill chunk's end; `draft_log` logs
+every draft the engine verified, per request, where EAGLE31_VLLM_DRAFT_LOG names a folder.
 
 NVFP4 linear layers on vLLM's CPU build, through vLLM's own software kernel.
 

@@ -1,0 +1,77 @@
+"""The drafts a local vLLM engine verified, read back per request from our vLLM plugin's log.
+
+vLLM returns tokens and per-step accepted counts only. Our plugin
+(`plugins/vllm/eagle31_vllm_plugin/draft_log.py`), loaded by an engine started with DRAFT_LOG_ENV
+naming a folder, appends one JSON line per verification step of every request: the engine's
+request id, the drafts it verified, the accepted count. Our client names each request
+(`request_id`, which vLLM keeps inside its own id), so the lines of one request are found by that
+name; they must be its `per_step_accepted`, step for step, or the log is not trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from pathlib import Path
+
+from eagle31_export.errors import UserError
+
+DRAFT_LOG_PLUGIN = "eagle31_draft_log"  # the entry point's name (plugins/vllm/pyproject.toml)
+DRAFT_LOG_ENV = "EAGLE31_VLLM_DRAFT_LOG"  # plugins/vllm/eagle31_vllm_plugin/draft_log.py: LOG_ENV
+HOW = ("every draft the engine verified, logged per request by our vLLM plugin in vLLM's scheduler "
+       "(eagle31_vllm_plugin.draft_log)")
+
+
+class DraftLog:
+    """The folder the engine logs into; `take` a finished request's drafts, round by round."""
+
+    def __init__(self, folder: Path, served: bool = False):
+        """`served`: a server started apart logs there (--draft-log), so the folder must exist; else the
+        folder is made for a local engine."""
+        self.folder = Path(folder)
+        if served and not self.folder.is_dir():
+            raise UserError(f"--draft-log {folder}: no such folder; start the vLLM server with {DRAFT_LOG_ENV}="
+                            f"{folder} and our plugin installed (pip install --no-deps plugins/vllm), on this machine")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._offsets: dict[Path, int] = {}
+        self._steps: dict[str, list[tuple[list[int], int]]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def new_request_id() -> str:
+        return f"eagle31-{uuid.uuid4().hex}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What the engine's environment needs for the plugin to log here."""
+        return {DRAFT_LOG_ENV: str(self.folder)}
+
+    def take(self, request_id: str, accepted: list[int] | None) -> list[list[int]]:
+        """The drafts of each verification step of the request named `request_id`, checked against the
+        accepted counts its response reports; forgotten once taken."""
+        with self._lock:
+            self._read()
+            names = [name for name in self._steps if request_id in name]
+            steps = [step for name in names for step in self._steps.pop(name)]
+        logged = [count for _, count in steps]
+        if accepted is None or logged != list(accepted):
+            raise UserError(f"the vLLM engine's draft log ({self.folder}) holds {len(steps)} verification steps for "
+                            f"request {request_id} (accepted {logged[:8]}...), its response "
+                            f"{'none' if accepted is None else f'{len(accepted)} (accepted {list(accepted)[:8]}...)'}: "
+                            f"the engine did not log this request's drafts there: our vLLM plugin (plugins/vllm) must be "
+                            f"installed where it runs, with {DRAFT_LOG_ENV} naming this folder, and match its vLLM")
+        return [drafts for drafts, _ in steps]
+
+    def _read(self) -> None:
+        """New complete lines of every process's file (a line still being written waits)."""
+        for path in sorted(self.folder.glob("drafts-*.jsonl")):
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._offsets[path] = self._offsets.get(path, 0) + end
+            for line in data[:end].splitlines():
+                record = json.loads(line)
+                self._steps.setdefault(record["request"], []).append(
+                    ([int(t) for t in record["drafts"]], int(record["accepted"])))
