@@ -105,6 +105,41 @@ def test_a_reported_draft_is_judged_by_its_own_gap_not_the_top_2_margin(choice, 
         assert f"the runtime chose the reference's choice {found[0].rank}" in found[0].describe()
 
 
+def cut_round(run_draft_2: int) -> tuple[SpecResult, SpecResult]:
+    """One round of depth 3 cut by max_new_tokens after its first draft's token (2 tokens returned): the
+    reference accepts 2 drafts along its own (1, 1), the runtime 3 along (1, run_draft_2, 1). Draft 2
+    reads only returned tokens; draft 3 reads draft 2, past the cut. Every margin is 3.0, far beyond K
+    errors: only the prefix tells a tie from a break here."""
+    ref = SpecResult(tokens=[1, 1], drafts=[[1, 1, 1]], accepted_per_step=[2], depth=3,
+                     token_tops=tops(logits_with(1, 2, 3.0, 4)), draft_tops=draft_tops(rounds=1, depth=3))
+    run = SpecResult(tokens=[1, 1], drafts=[[1, run_draft_2, 1]], accepted_per_step=[3], depth=3)
+    return ref, run
+
+
+def test_a_difference_past_the_cut_is_listed_not_judged():
+    """Accepted counts only: the first outcome that differs is draft 3's, which reads a token the runtime
+    did not return (its draft 2, unknown): not the reference's prefix, so listed, not a failure and not
+    counted (a faithful bf16 run of benchmarks/verdict_power.py failed so before, on counts only)."""
+    ref, run = cut_round(1)
+    found = divergences(ref, run, measured_for(ref))
+    assert [(d.kind, d.draft_position, d.tie, d.past_cut, d.counted) for d in found] == [("round", 3, True, True, False)]
+    assert "past max_new_tokens" in found[0].describe()
+    row = compare_prompt(0, [0], ref, run, None, 1.0, drafts_reported=False, measured=measured_for(ref))
+    assert not row.untied and row.tie_budget["observed"] == 0 and row.ties == [found[0].describe()]
+
+
+@pytest.mark.parametrize("draft_2, tie", [(1, True), (2, False)])
+def test_a_reported_draft_before_the_cut_is_judged(draft_2, tie):
+    """With the runtime's drafts, the first that differs comes first: draft 2 reads returned tokens only,
+    so the runtime's choice there (the reference's best, or its runner-up 3.0 below) is judged."""
+    ref, run = cut_round(draft_2)
+    found = divergences(ref, run, measured_for(ref), run_drafts=run.drafts)
+    if tie:  # the same drafts: the round differs past the cut only
+        assert [(d.draft_position, d.past_cut) for d in found] == [(3, True)]
+    else:
+        assert [(d.draft_position, d.tie, d.past_cut, d.rank) for d in found] == [(2, False, False, 2)]
+
+
 def test_more_ties_than_the_measured_errors_explain_fail():
     """Each prompt differs once, a tie by itself; the budget allows what N(0, e^2) shifts would flip."""
     ref, run = results(0.8 * K * ERROR)

@@ -356,7 +356,7 @@ def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResu
         untied=None if found is None else [d.describe() for d in untied],
         tie_budget=None if found is None else {
             **expected_ties(ref, run, measured, drafts_reported).to_json(),
-            "observed": sum(d.tie and not d.decided_by_token for d in found)},
+            "observed": sum(d.counted for d in found)},
         largest_tie=max((d.ratio for d in found or [] if d.tie and d.ratio is not None), default=None),
     )
 
@@ -631,7 +631,7 @@ def _greedy_drafts(reference: Speculator, runtime: Speculator, prompts: list[lis
                 unaligned.append(i)
             else:
                 rounds += len(run.accepted_per_step)
-                ties += sum(d.tie for d in found)
+                ties += sum(d.tie and not d.past_cut for d in found)
                 differ = [d for d in found if not d.tie]
                 untied += [f"prompt {i}, {d.describe()} ({_untied_symptom(d)})" for d in differ
                            if d.kind == "round" and not d.decided_by_token]

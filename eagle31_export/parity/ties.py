@@ -13,14 +13,18 @@ every other difference is a failure with its symptom, naming the runtime's choic
 the reference's candidates where it is not the runner-up:
 - a token that differs: the target's greedy token against the runtime's;
 - a round whose accepted count differs while the tokens it verified agree: the first draft position
-  whose outcome differs, k = min(a, b) + 1. The runtime's draft there is known where the runtime
+  whose outcome differs, k = min(a, b) + 1, or where the runtime reports its drafts the first that
+  differs if that comes first (in the last round, cut by max_new_tokens, both sides accept drafts
+  whose tokens are not returned). The runtime's draft there is known where the runtime
   reports its drafts (ours, Triton), and where it accepted more than the reference (the token it
   committed): judged by its own logit, whatever the top-2 margin (a draft ranked far down is no tie
   because the best two happen to be close). Elsewhere (vLLM rejecting what the reference accepted)
   the reference's runner-up stands for it, the least gap any other draft could have. A round whose
   verified tokens up to k differ is decided by the first of them, judged as a token (and not
   counted again). In the last round, where max_new_tokens cut the token the runtime's target chose
-  on draft k, the target may have decided it: a tie if the target's top-2 gap there is one.
+  on draft k, the target may have decided it: a tie if the target's top-2 gap there is one. Where
+  draft k reads a token past the last one returned, the two sides no longer share a prefix (the
+  reference's decisions there follow its own drafts): listed as past the cut, not judged, not counted.
 
 A rule that took only the runner-up as a tie for a known draft failed a faithful bf16 runtime of
 ours (benchmarks/verdict_power.py: its draft was the reference's 3rd choice where the best three lay
@@ -48,6 +52,12 @@ class Divergence:
     error: float | None = None  # the measured error scale at this decision (parity/numerics.py)
     rank: int | None = None  # the runtime's choice among the reference's candidates (None: not known)
     decided_by_token: bool = False  # a round that differs because a token it verified differs (not counted again)
+    past_cut: bool = False  # a round that differs only past max_new_tokens, off the runtime's returned tokens
+
+    @property
+    def counted(self) -> bool:
+        """A tie the budget counts: the decision itself was judged a tie (not a token's echo, not past the cut)."""
+        return self.tie and not self.decided_by_token and not self.past_cut
 
     @property
     def ratio(self) -> float | None:
@@ -64,6 +74,9 @@ class Divergence:
             said += f" = {self.ratio:.2g} x the measured error {self.error:.2g}"
         if self.decided_by_token:
             said = f"{where}: decided by a differing token it verified"
+        elif self.past_cut:
+            said = (f"{where}: past max_new_tokens, where the runtime returns no tokens and the reference follows "
+                    "its own drafts: not the same prefix, not judged")
         elif self.rank is not None and self.rank > 2:
             said += f"; the runtime chose the reference's choice {self.rank}"
         elif self.rank is None and self.kind == "token" and not math.isfinite(self.gap):
@@ -87,8 +100,13 @@ def divergences(ref: SpecResult, run: SpecResult, measured: Measured, k: float =
     tokens = {d.index: d.tie for d in found}
     done = 1  # tokens[0] is the prefill's; round r verifies tokens[done:done + depth]
     for r, (a, b) in enumerate(zip(ref.accepted_per_step, run.accepted_per_step)):
-        k_step = min(a, b) + 1 if a != b else _first_differing_draft(ref, run_drafts, r)
-        if k_step is not None:
+        steps = (min(a, b) + 1 if a != b else None, _first_differing_draft(ref, run_drafts, r))
+        k_step = min((s for s in steps if s is not None), default=None)
+        if k_step is not None and done + k_step - 2 >= len(run.tokens):
+            # draft k reads the tokens up to done + k - 2: past the last one returned, the runtime's prefix is
+            # not known and the reference's decisions follow its own drafts (the last round, cut)
+            found.append(Divergence("round", r, math.nan, True, k_step, past_cut=True))
+        elif k_step is not None:
             verified = [done + j for j in range(k_step) if done + j in tokens]
             if verified:  # a token it verified up to k differs: the target decided the round, judged there
                 found.append(Divergence("round", r, 0.0, all(tokens[i] for i in verified), k_step,
