@@ -184,3 +184,16 @@ def test_under_load_a_tie_is_counted_and_a_break_fails_as_batching():
     assert len(failures) == 1 and "prompt 1: token 2" in failures[0] and BATCHING in failures[0]
     rows, failures = compare_levels(base, 1.0, base, load, 2, True, 0.02)  # without the judge: both fail as before
     assert rows[1].differing_prompts == [0, 1] and len(failures) == 1 and "2 of 2 prompts" in failures[0]
+
+
+def test_reported_drafts_without_logits_name_the_earliest_differing_position():
+    """vLLM's draft log gives drafts but no first-step logits: the earliest draft position that differs in
+    any round names the symptom (position 1: what the first draft step reads; later: the fed-back state)."""
+    from eagle31_export.parity.compare import LATER_POSITIONS, POSITION_1, _draft_symptom
+
+    ref = SpecResult(tokens=[1], drafts=[[1, 2, 3], [4, 5, 6]], accepted_per_step=[0, 0], depth=3)
+    later = SpecResult(tokens=[1], drafts=[[1, 2, 3], [4, 7, 6]], accepted_per_step=[0, 0], depth=3)
+    first = SpecResult(tokens=[1], drafts=[[1, 2, 9], [9, 5, 6]], accepted_per_step=[0, 0], depth=3)
+    assert _draft_symptom(ref, ref) is None
+    assert _draft_symptom(ref, later) == f"round 1: draft 2 is 7, the reference's 5, position 1 never does: {LATER_POSITIONS}"
+    assert _draft_symptom(ref, first) == f"round 1: draft 1 is 9, the reference's 4: {POSITION_1}"

@@ -268,16 +268,28 @@ def _position_symptom(ref: SpecResult, run: SpecResult) -> str | None:
     return f"{where}, position 1 never does: {LATER_POSITIONS}"
 
 
+def _draft_symptom(ref: SpecResult, run: SpecResult) -> str | None:
+    """For a runtime that reports its drafts but not its first step's logits (vLLM's draft log): the
+    earliest draft position that differs in any round names the cause."""
+    differing = [(k, r) for r, (ours, theirs) in enumerate(zip(ref.drafts, run.drafts))
+                 for k, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    if not differing:
+        return None
+    k, r = min(differing)
+    where = f"round {r}: draft {k + 1} is {run.drafts[r][k]}, the reference's {ref.drafts[r][k]}"
+    return f"{where}: {POSITION_1}" if k == 0 else f"{where}, position 1 never does: {LATER_POSITIONS}"
+
+
 def _symptom(ref: SpecResult, run: SpecResult, round_index: int | None, logits_diff: float | None,
              logits_atol: float, drafts_reported: bool = True) -> str | None:
     """Name what diverged first; each pattern has a usual cause (docs/tapped-layers.md, docs/eagle31.md,
     docs/nvfp4.md)."""
     if ref.tokens[:1] != run.tokens[:1]:
         return "the target's own first token differs: target weights or NVFP4 scales"
-    if not drafts_reported:
-        found = _position_symptom(ref, run)
-        if found is not None:
-            return found
+    found = (_position_symptom(ref, run) if not drafts_reported
+             else _draft_symptom(ref, run) if logits_diff is None else None)
+    if found is not None:
+        return found
     if logits_diff is not None and logits_diff > logits_atol:
         return (f"first-step draft logits differ (max {logits_diff:.3g}): tapped layers, fc or fc_norm weights "
                 "(check aux layer numbering and fc_norm)")
