@@ -38,10 +38,12 @@ def random_weights(drafter: Path, out: Path) -> Path:
 
 
 @pytest.mark.engine
-def test_a_pair_whose_reference_accepts_nothing_is_inconclusive_on_vllm(cli, tmp_path):
-    """Random drafter weights against the tiny target, served by a real vLLM engine (tokens and acceptance
+def test_a_pair_whose_reference_accepts_nothing_is_inconclusive_on_vllm(cli, tmp_path, monkeypatch):
+    """Random drafter weights against the tiny target, served by a real vLLM engine that loads our plugins
+    but not the draft log (VLLM_PLUGINS, vLLM's own list of the plugins it loads; tokens and acceptance
     counts only): tau 1.000 on both sides, every token and round identical, and the PASS shows nothing,
-    said first, exit 3."""
+    said first, exit 3. (With the draft log, every draft is compared: the next test's case.)"""
+    monkeypatch.setenv("VLLM_PLUGINS", "eagle31_cpu_nvfp4,eagle31_cpu_sampler,eagle31_eagle_chunk_tail")
     drafter = random_weights(PAIR / "drafter-eagle31", tmp_path / "random")
     code, out, err = cli("parity", "--drafter", drafter, "--target", PAIR / "target", "--runtime", "vllm",
                          "--vllm", vllm_environment(), "--max-new-tokens", "32", "--out", tmp_path / "report", "--json")
@@ -49,7 +51,7 @@ def test_a_pair_whose_reference_accepts_nothing_is_inconclusive_on_vllm(cli, tmp
     assert code == EXIT_INCONCLUSIVE == 3, err
     assert report["passed"] and report["verdict"] == "INCONCLUSIVE" and report["failures"] == []
     assert report["tau_reference"] == report["tau_runtime"] == 1.0
-    assert "accepted no draft" in report["inconclusive"][0]
+    assert "accepted no draft" in report["inconclusive"][0] and not report["drafts_reported"]
     lines = (tmp_path / "report" / "report.md").read_text().splitlines()
     assert lines[0] == "# Acceptance parity: **INCONCLUSIVE**"
     assert next(line for line in lines[1:] if line.strip()).startswith("**Inconclusive:** the reference accepted no")
