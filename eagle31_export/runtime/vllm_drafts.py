@@ -47,7 +47,7 @@ class DraftLog:
         """What the engine's environment needs for the plugin to log here."""
         return {DRAFT_LOG_ENV: str(self.folder)}
 
-    def take(self, request_id: str, accepted: list[int] | None) -> list[list[int]]:
+    def take(self, request_id: str, accepted: list[int]) -> list[list[int]]:
         """The drafts of each verification step of the request named `request_id`, checked against the
         accepted counts its response reports; forgotten once taken."""
         with self._lock:
@@ -55,10 +55,10 @@ class DraftLog:
             names = [name for name in self._steps if request_id in name]
             steps = [step for name in names for step in self._steps.pop(name)]
         logged = [count for _, count in steps]
-        if accepted is None or logged != list(accepted):
+        if logged != list(accepted):
             raise UserError(f"the vLLM engine's draft log ({self.folder}) holds {len(steps)} verification steps for "
-                            f"request {request_id} (accepted {logged[:8]}...), its response "
-                            f"{'none' if accepted is None else f'{len(accepted)} (accepted {list(accepted)[:8]}...)'}: "
+                            f"request {request_id} (accepted {logged[:8]}...), its response {len(accepted)} "
+                            f"(accepted {list(accepted)[:8]}...): "
                             f"the engine did not log this request's drafts there: our vLLM plugin (plugins/vllm) must be "
                             f"installed where it runs, with {DRAFT_LOG_ENV} naming this folder, and match its vLLM")
         return [drafts for drafts, _ in steps]
