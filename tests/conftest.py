@@ -11,6 +11,9 @@ import torch
 # threads only contend with each other (10-20x slower under load).
 torch.set_num_threads(1)
 
+# which tests start engines, and a failure for any outside the `engine` marker (tests/engine_watch.py)
+pytest_plugins = ["engine_watch"]
+
 from factories import drafter_config_for, make_target, random_drafter
 from eagle31_export.formats.drafter.checkpoint import write_drafter
 from eagle31_export.formats.target.checkpoint import read_target_info
