@@ -54,6 +54,7 @@ def test_context_prompts_fill_their_length_less_the_answers_room(evaluate, token
             assert tokenizer.decode(ids).endswith(evaluate.READ_QUESTION + "<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.engine  # minutes: the whole script in a subprocess, so `make test-quick` leaves it out
 def test_the_script_measures_every_table_on_a_few_prompts(tmp_path):
     out = tmp_path / "claims"
     run = subprocess.run([sys.executable, str(SCRIPT), "--prompts", "2", "--template-prompts", "2", "--documents", "2",
