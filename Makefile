@@ -61,7 +61,7 @@ demo: setup
 # EAGLE31_REQUIRE_VLLM: the vLLM tests fail, not skip, where the engine cannot be found;
 # --durations: the slowest tests, where the suite's time goes
 test: setup setup-vllm smollm2-target
-	EAGLE31_VLLM=$(VLLM_VENV) EAGLE31_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=40 tests
+	EAGLE31_VLLM=$(VLLM_VENV) EAGLE31_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=25 tests
 
 # while working: everything but the tests marked `engine` (real vLLM / Triton engines, minutes each);
 # `make test` stays the whole suite, and what CI runs

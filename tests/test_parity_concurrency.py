@@ -121,3 +121,40 @@ def test_bad_concurrency_is_one_line_and_exit_2(cli, args, message):
     code, out, err = cli("parity", "--drafter", PAIR / "drafter-eagle31", "--target", PAIR / "target",
                          "--max-new-tokens", "4", *args)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def _level_run(kept: int, engine_largest: int, engine_steps: int) -> tuple:
+    """A C = 4 level over 4 identical prompts whose client kept `kept` requests in flight at most and
+    whose engine ran at most `engine_largest` together (its counters: `engine_steps` steps)."""
+    from eagle31_export.parity.concurrency import LoadRuns, compare_levels, pooled_counts
+    from eagle31_export.reference.speculate import SpecResult
+    from eagle31_export.runtime.contract import BatchFigures, ConcurrentRun
+
+    results = [SpecResult(tokens=[5, 6, 7, 8], drafts=[[5, 6], [8, 1]], accepted_per_step=[1, 1], depth=2)
+               for _ in range(4)]
+    counters = {**pooled_counts(results, 2), "engine_steps": engine_steps}
+    figures = BatchFigures(source="test samples", histogram={engine_largest: 3}, largest=engine_largest, mean=1.0,
+                           in_flight=kept)
+    load = LoadRuns(runs={4: ConcurrentRun(results, pooled=counters, batching=figures)}, seconds={4: 1.0})
+    rows, failures = compare_levels(results, 1.0, results, load, 2, True, 0.05)
+    return rows[1], failures
+
+
+def test_a_starved_client_is_inconclusive_on_batching_never_an_engine_failure():
+    """The client, short of CPU, had one request in flight at a time: the engine ran one at a time because
+    it was sent one at a time. Not NOT_BATCHED; the row says what the client kept in flight."""
+    row, failures = _level_run(kept=1, engine_largest=1, engine_steps=8)
+    assert failures == []
+    assert row.batching_not_shown == ("concurrency 4: the client kept at most 1 of 4 in flight: batching not shown "
+                                      "(the engine's side judged on what it was sent)")
+    row, failures = _level_run(kept=2, engine_largest=2, engine_steps=4)
+    assert failures == [] and "kept at most 2 of 4 in flight: batching shown up to 2 only" in row.batching_not_shown
+
+
+def test_an_engine_sent_requests_together_that_ran_them_one_at_a_time_fails():
+    """Two or four requests in flight at once, and every engine step verified one: the engine's fault."""
+    for kept in (2, 4):
+        row, failures = _level_run(kept=kept, engine_largest=1, engine_steps=8)
+        assert len(failures) == 1 and NOT_BATCHED in failures[0] and f"client had {kept} in flight" in failures[0]
+    row, failures = _level_run(kept=4, engine_largest=4, engine_steps=2)
+    assert failures == [] and row.batching_not_shown is None

@@ -73,6 +73,8 @@ class ConcurrencyRow:
     untied: list[str] = field(default_factory=list)
     ties_judged: bool = False
     repeats: list["RepeatRow"] = field(default_factory=list)  # --repeat: each later send against this level's first
+    # where the client itself never kept C requests in flight (a starved client): what batching it could show
+    batching_not_shown: str | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -178,13 +180,35 @@ def _judge_ties(row: ConcurrencyRow, results: list[SpecResult], judge: Judge) ->
     row.differing_prompts, row.ties_judged = real, True
 
 
+def client_kept(row: ConcurrencyRow) -> int | None:
+    """The most requests the client itself had in flight at once at this level (None: not measured)."""
+    return (row.batching or {}).get("in_flight") or None
+
+
+def batching_not_shown(row: ConcurrencyRow) -> str | None:
+    """Why a level says nothing about the engine's batching: its client never had C requests in flight at
+    once (a client starved of CPU sends them one after another), so the engine had nothing more to batch."""
+    kept, wanted = client_kept(row), min(row.concurrency, row.prompts)
+    if kept is None or kept >= wanted:
+        return None
+    return (f"concurrency {row.concurrency}: the client kept at most {kept} of {wanted} in flight: batching "
+            f"{'not shown' if kept <= 1 else f'shown up to {kept} only'} (the engine's side judged on what it was sent)")
+
+
 def _row_failures(row: ConcurrencyRow, base: ConcurrencyRow, exact: bool, tau_rel_tol: float) -> list[str]:
     c, out = row.concurrency, []
     steps = (row.runtime_counters or {}).get("engine_steps")
     batched_steps = steps is not None and 0 < steps < row.rounds  # some engine step verified two requests or more
-    if row.batching is not None and row.prompts > 1 and row.batching["largest"] <= 1 and not batched_steps:
-        out.append(f"concurrency {c}: {NOT_BATCHED}: it never ran more than one request at once "
-                   f"({row.batching['source']}); requests in flight were queued, not served together")
+    row.batching_not_shown = batching_not_shown(row)
+    kept = client_kept(row)
+    # the engine is at fault only for what it was sent: two or more requests in flight at once (or, where the
+    # client's count is not measured, the level's C)
+    sent_together = (kept if kept is not None else row.prompts) > 1
+    if (row.batching is not None and row.prompts > 1 and sent_together and row.batching["largest"] <= 1
+            and not batched_steps):
+        out.append(f"concurrency {c}: {NOT_BATCHED}: it never ran more than one request at once although the "
+                   f"client had {kept or c} in flight ({row.batching['source']}); requests in flight were queued, "
+                   "not served together")
     if row.runtime_counters is not None and row.per_request:
         own = {k: row.runtime_counters.get(k) for k in ("rounds", "accepted", "accepted_per_position")}
         if own != {"rounds": row.rounds, "accepted": row.accepted, "accepted_per_position": row.accepted_per_position}:

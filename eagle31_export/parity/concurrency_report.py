@@ -29,6 +29,8 @@ def concurrency_lines(rows: list[ConcurrencyRow], runtime: str, tau_reference: f
     lines += ["", f"reference tau {tau_reference:.3f}. {measured}Per-request counts compared where the runtime returns them; "
               "otherwise its pooled counters against C = 1's. Throughput is this machine's, not a benchmark "
               "(benchmarks/speedup.py).", ""]
+    unshown = [row.batching_not_shown for row in rows if row.batching_not_shown]
+    lines += [f"**Batching inconclusive:** {note}" for note in unshown] + ([""] if unshown else [])
     return lines + _tie_lines(rows)
 
 
