@@ -201,6 +201,12 @@ def _fix_where_wrong() -> dict[str, str]:
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     except ImportError as err:
         return _unknown(f"no vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer ({err})")
+    return fix_where_wrong(SpecDecodeBaseProposer)
+
+
+def fix_where_wrong(SpecDecodeBaseProposer) -> dict[str, str]:  # noqa: N803 - vLLM's class, by its name
+    """Probes the proposer class and wraps its two methods where it is the shape this plugin knows and
+    reads the prompt's last token: the gauge's labels, with "reason" where it is not recognised."""
     shipped = getattr(SpecDecodeBaseProposer, "prepare_next_token_ids_padded", None)
     if shipped is None:
         return _unknown("SpecDecodeBaseProposer has no prepare_next_token_ids_padded")

@@ -122,8 +122,16 @@ def _shipped_shim():
     try:
         from vllm.utils import cpu_triton_utils
     except ImportError:
+        cpu_triton_utils = None
+    return shim_in(cpu_triton_utils)
+
+
+def shim_in(module) -> tuple:
+    """(the expand shim of `module`, vLLM's `cpu_triton_utils`, None), or (None, why) where there is no
+    such module (None) or no `_expand_kernel_impl` in it."""
+    if module is None:
         return None, "no module vllm.utils.cpu_triton_utils"
-    shim = getattr(cpu_triton_utils, "_expand_kernel_impl", None)
+    shim = getattr(module, "_expand_kernel_impl", None)
     if shim is None:
         return None, "vllm.utils.cpu_triton_utils has no _expand_kernel_impl"
     return shim, None
@@ -175,6 +183,22 @@ def _guard_empty_top_k() -> None:
 
 def _fix_where_broken() -> dict[str, str]:
     shim, missing = _shipped_shim()
+    if shim is not None and shim is not expand_per_request and recognise_shim(shim) is None:
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()  # the C++ ops the shim calls; vLLM imports them again later, harmlessly
+    state = judge_shim(shim, missing)
+    if state["sampler"] == FIXED and shim is not expand_per_request:
+        from vllm.utils import cpu_triton_utils
+
+        cpu_triton_utils._expand_kernel_impl = expand_per_request
+    return state
+
+
+def judge_shim(shim, missing: str | None = None) -> dict[str, str]:
+    """What to do about `shim` (`missing`: why there is none where a CPU build without Triton should have
+    one): the gauge's labels, with "reason" where it is not recognised; `sampler` FIXED: put
+    `expand_per_request` in its place."""
     if missing is not None:
         not_recognised("vLLM's CPU expand_kernel shim", missing)
         return {"shim": NOT_RECOGNISED, "sampler": UNCHANGED, "reason": missing}
@@ -186,10 +210,6 @@ def _fix_where_broken() -> dict[str, str]:
     if why is not None:
         not_recognised("vLLM's CPU expand_kernel shim", why)
         return {"shim": NOT_RECOGNISED, "sampler": UNCHANGED, "reason": why}
-    from vllm.platforms import current_platform
-    from vllm.utils import cpu_triton_utils
-
-    current_platform.import_kernels()  # the C++ ops the shim calls; vLLM imports them again later, harmlessly
     found, wrong = probe_shim(shim)
     if found == SHIM_CORRECT:
         return {"shim": SHIM_CORRECT, "sampler": UNCHANGED}
@@ -200,7 +220,6 @@ def _fix_where_broken() -> dict[str, str]:
         log.warning("eagle31-vllm-plugin: vLLM's CPU expand_kernel shim %s (%s): every sampled token's temperature, "
                     "top-k and top-p are wrong; left as shipped (%s=1)", wrong, UPSTREAM, KEEP_SAMPLER_ENV)
         return {"shim": SHIM_BROKEN, "sampler": LEFT_AS_SHIPPED}
-    cpu_triton_utils._expand_kernel_impl = expand_per_request
     log.info("eagle31-vllm-plugin: vLLM's CPU expand_kernel shim %s (%s); the rejection sampler expands "
              "per-request temperature, top-k and top-p with the plugin's expand_per_request instead", wrong, UPSTREAM)
     return {"shim": SHIM_BROKEN, "sampler": FIXED}

@@ -143,16 +143,24 @@ def register() -> None:
     except ImportError as err:
         why = f"no vllm.v1.core.sched Scheduler / SchedulerOutput ({err})"
     else:
-        why = None if getattr(Scheduler.make_spec_decoding_stats, WRAPPED_MARK, False) else recognise(
-            Scheduler, SchedulerOutput)
+        why = wrap_where_recognised(Scheduler, SchedulerOutput)
     if why is not None:
         not_recognised("the draft log (vLLM's scheduler)", why)
         _state.update(log=NOT_RECOGNISED)
         publish(STATE_METRIC, DOC, {"log": NOT_RECOGNISED}, why)
         return
-    if not getattr(Scheduler.make_spec_decoding_stats, WRAPPED_MARK, False):
-        Scheduler.update_from_output = keeping_the_step(Scheduler.update_from_output)
-        Scheduler.make_spec_decoding_stats = logging_the_drafts(Scheduler.make_spec_decoding_stats)
     _state.update(log=LOGGING)
     publish(STATE_METRIC, DOC, {"log": LOGGING})
     log.info("eagle31-vllm-plugin: every verified draft is logged to %s", os.environ[LOG_ENV])
+
+
+def wrap_where_recognised(scheduler, scheduler_output) -> str | None:
+    """Wraps `scheduler`'s two methods where `recognise` knows the shapes (or they are wrapped already);
+    else changes nothing and returns why not."""
+    if getattr(scheduler.make_spec_decoding_stats, WRAPPED_MARK, False):
+        return None
+    why = recognise(scheduler, scheduler_output)
+    if why is None:
+        scheduler.update_from_output = keeping_the_step(scheduler.update_from_output)
+        scheduler.make_spec_decoding_stats = logging_the_drafts(scheduler.make_spec_decoding_stats)
+    return why
