@@ -5,16 +5,16 @@ The real method, in a real engine: tests/test_vllm_engine.py (chunked prefill, f
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "vllm" / "eagle31_vllm_plugin" / "chunk_tail.py"
-_spec = importlib.util.spec_from_file_location("chunk_tail", PLUGIN)
-chunk_tail = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(chunk_tail)
+PLUGIN_ROOT = Path(__file__).resolve().parents[1] / "plugins" / "vllm"
+sys.path.insert(0, str(PLUGIN_ROOT))  # the plugin package, which vLLM alone installs
+
+from eagle31_vllm_plugin import chunk_tail  # noqa: E402
 
 
 def last_token_backup(self, sampled_token_ids, requests, gpu_input_batch, discard_request_mask):

@@ -5,7 +5,7 @@ the reference's, and the sabotaged bundles failing on their drafts)."""
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,10 +14,10 @@ import pytest
 from eagle31_export.errors import UserError
 from eagle31_export.runtime.vllm_drafts import DRAFT_LOG_ENV, DRAFT_LOG_PLUGIN, DraftLog
 
-PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "vllm"
-_spec = importlib.util.spec_from_file_location("draft_log", PLUGIN / "eagle31_vllm_plugin" / "draft_log.py")
-draft_log = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(draft_log)
+PLUGIN = PLUGIN_ROOT = Path(__file__).resolve().parents[1] / "plugins" / "vllm"
+sys.path.insert(0, str(PLUGIN_ROOT))  # the plugin package, which vLLM alone installs
+
+from eagle31_vllm_plugin import draft_log  # noqa: E402
 
 
 class Scheduler:

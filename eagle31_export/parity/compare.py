@@ -127,6 +127,9 @@ class ParityReport:
     # {"state", "broken", "how"}; None where the runtime does not say
     engine_sampler: dict | None = None
     engine_chunk_tail: dict | None = None  # vllm: which token its drafter reads at a prefill chunk's end
+    # vllm: what our plugin did not recognise on the engine's vLLM ("<what>: unknown on vLLM X.Y (why): left as
+    # shipped"), said beside the verdict; it changes no verdict, and nothing it names is called healthy
+    engine_unknown: list[str] = field(default_factory=list)
     # sampled runs with --concurrency: greedy requests among sampled ones at each C > 1 (parity/mixed_batches.py)
     mixed_batches: list[MixedBatchRow] = field(default_factory=list)
 
@@ -233,7 +236,7 @@ class ParityReport:
                 "prompts": [asdict(r) for r in self.rows], "per_depth": self.per_depth,
                 "concurrency": [{**asdict(c), "tokens_per_second": c.tokens_per_second} for c in self.concurrency],
                 "runtime_dtype": self.runtime_dtype, "engine_sampler": self.engine_sampler,
-                "engine_chunk_tail": self.engine_chunk_tail,
+                "engine_chunk_tail": self.engine_chunk_tail, "engine_unknown": self.engine_unknown,
                 "mixed_batches": [asdict(row) for row in self.mixed_batches],
                 "sampling": None if self.sampling is None else {**self.sampling.to_json(),
                                                                 "rule_basis": self.sampling_rule_basis},
@@ -415,6 +418,7 @@ def run_parity(reference: Speculator, runtime: Speculator, prompts: list[list[in
         runs, refs, seconds = _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
                                                temperature, seed, exact, thresholds, mode, on_prompt, phases,
                                                measurer)
+    report.drafts_reported = report.drafts_reported and runtime.reports_drafts  # vllm: placeholders refused
     load = run_levels(runtime, prompts, depth, max_new_tokens, temperature, seed, concurrency, phases, repeat)
     report.failures = _failures(report)
     _add_levels(report, runs, seconds, refs, load, _tie_judge(reference, prompts, report, measurer))
@@ -615,6 +619,7 @@ def compare_sampled(reference: Speculator, runtime: Speculator, prompts: list[li
             one = check_sampled(replays[-1:], depth, gap, thresholds.sampled_alpha, sampling.rule, first_index=i)
             report.rows.append(_sampled_row(prompt, run, one))
             phases("compare", i + 1, len(prompts))
+    report.drafts_reported = report.drafts_reported and runtime.reports_drafts  # vllm: placeholders refused
     report.sampled = check_sampled(replays, depth, gap, thresholds.sampled_alpha, sampling.rule)
     if report.sampled.wants_greedy and hasattr(reference, "replay"):
         report.sampled.greedy = _greedy_drafts(reference, runtime, prompts, depth, max_new_tokens, seed, gap, phases)

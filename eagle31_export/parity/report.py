@@ -32,6 +32,7 @@ def markdown(report: ParityReport) -> str:
         f"# Acceptance parity: **{verdict}**",
         "",
         *[f"**Inconclusive:** {reason}" + "\n" for reason in report.inconclusive],
+        *[f"**Unknown to our vLLM plugin:** {line}" + "\n" for line in report.engine_unknown],
         f"runtime `{report.runtime}` vs PyTorch reference, depth {report.depth}, "
         f"temperature {report.temperature}, {len(report.rows)} prompts",
         "",

@@ -225,6 +225,9 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
             seen["engine_sampler"] = getattr(speculator, "engine_sampler", None)
             seen["engine_chunk_tail"] = getattr(speculator, "engine_chunk_tail", None)
             seen["drafts_source"] = getattr(speculator, "drafts_source", None)
+            # vllm: a dict the speculator keeps up to date (drafts refused mid-run, what its plugin did not
+            # recognise); not the speculator, which in-turn parity releases
+            seen["engine_state"] = getattr(speculator, "engine_state", None)
             return speculator
 
         def load_reference():
@@ -249,6 +252,10 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
         report.engine_sampler = seen.get("engine_sampler")
         report.engine_chunk_tail = seen.get("engine_chunk_tail")
         report.drafts_source = seen.get("drafts_source")
+        state = seen.get("engine_state") or {}
+        if state:
+            report.drafts_source = state.get("drafts_source")
+            report.engine_unknown = list(state.get("unknown", []))
         if report.failures and (report.engine_chunk_tail or {}).get("broken"):
             report.failures[:0] = [chunk_tail_failure(report.engine_chunk_tail)]
         if temperature != 0 and (report.engine_sampler or {}).get("broken"):  # said first: it breaks every sample

@@ -46,10 +46,16 @@ STEPS = "vllm:iteration_tokens_total"  # histogram: one observation per engine s
 GENERATED = "vllm:generation_tokens"  # counter: tokens the engine's steps produced
 CACHE_INFO = "vllm:cache_config_info"
 # our vLLM plugin's gauge (plugins/vllm/eagle31_vllm_plugin/cpu_sampler.py, STATE_METRIC): labels `shim`
-# (what vLLM's CPU expand_kernel shim does: broken, correct, none) and `sampler` (fixed_by_plugin,
-# left_as_shipped, as_shipped)
+# (what vLLM's CPU expand_kernel shim does: broken, correct, none, not_recognised) and `sampler`
+# (fixed_by_plugin, left_as_shipped, as_shipped); every gauge of the plugin also has `vllm` and `reason`
+# (plugins/vllm/eagle31_vllm_plugin/outcome.py)
 ENGINE_SAMPLER = "eagle31_vllm_cpu_sampler"
 ENGINE_CHUNK_TAIL = "eagle31_vllm_eagle_chunk_tail"  # plugins/vllm/eagle31_vllm_plugin/chunk_tail.py
+ENGINE_DRAFT_LOG = "eagle31_vllm_draft_log"  # plugins/vllm/eagle31_vllm_plugin/draft_log.py: `log`
+ENGINE_NVFP4 = "eagle31_vllm_cpu_nvfp4"  # plugins/vllm/eagle31_vllm_plugin/__init__.py: `kernels`
+# label values a process sets where a patch is not what the plugin knows, or its fix did not apply: read
+# before any other set label of the same gauge (the processes' gauges are merged by their largest value)
+UNSURE_LABELS = ("not_recognised", "fix_found_no_runner")
 _SPEC_FIELDS = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens", "num_accepted_tokens": "accepted_tokens"}
 
 Samples = dict[str, list[tuple[dict, float]]]  # sample name -> (labels, value) of every engine
@@ -148,6 +154,8 @@ class EngineMetrics:
     generated: int | None = None  # output tokens the engine produced (vllm:generation_tokens)
     sampler_plugin: dict | None = None  # ENGINE_SAMPLER's labels ({"shim", "sampler"}); None: no such gauge
     chunk_tail_plugin: dict | None = None  # ENGINE_CHUNK_TAIL's labels ({"shipped", "drafter"}); None: no such gauge
+    draft_log_plugin: dict | None = None  # ENGINE_DRAFT_LOG's labels ({"log"}); None: no such gauge
+    nvfp4_plugin: dict | None = None  # ENGINE_NVFP4's labels ({"kernels"}); None: no such gauge
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -156,12 +164,16 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     return EngineMetrics(_spec_counters(samples), _total(samples, RUNNING), _total(samples, WAITING),
                          _total(samples, CACHE_HITS), _total(samples, CACHE_QUERIES),
                          _total(samples, f"{STEPS}_count"), info[0][0], _total(samples, GENERATED),
-                         _set_labels(samples, ENGINE_SAMPLER), _set_labels(samples, ENGINE_CHUNK_TAIL))
+                         _set_labels(samples, ENGINE_SAMPLER), _set_labels(samples, ENGINE_CHUNK_TAIL),
+                         _set_labels(samples, ENGINE_DRAFT_LOG), _set_labels(samples, ENGINE_NVFP4))
 
 
 def _set_labels(samples: dict, gauge: str) -> dict | None:
-    """The labels of `gauge`'s sample set to a non-zero value (our plugin's state gauges), else None."""
-    return next((labels for labels, value in samples.get(gauge, []) if value), None)
+    """The labels of `gauge`'s sample set to a non-zero value (our plugin's state gauges), else None;
+    one with an UNSURE_LABELS value first (a process whose patch is unknown, or whose fix did not apply,
+    says more than one where it did)."""
+    found = [labels for labels, value in samples.get(gauge, []) if value]
+    return next((labels for labels in found if set(labels.values()) & set(UNSURE_LABELS)), found[0] if found else None)
 
 
 @dataclass

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,23 +54,44 @@ class VllmSpeculator(Speculator):
     def __init__(self, client: VllmClient, exact: bool, server: LocalServer | None = None,
                  cleanup: Path | None = None, runtime_dtype: dict | None = None, draft_log: DraftLog | None = None):
         self.client, self.exact, self.server = client, exact, server
-        # vLLM returns tokens and acceptance counts; its drafts only where our plugin logs them (a local engine)
+        metrics = client.metrics()
+        # what our vLLM plugin found of each thing it patches; `unknown` where it did not recognise it
+        self.engine_sampler = engine_sampler(metrics)  # what its sampler is, as our plugin found it
+        self.engine_chunk_tail = engine_chunk_tail(metrics)  # its drafter at a prefill chunk's end, likewise
+        self.engine_draft_log = engine_draft_log(metrics, draft_log is not None)
+        self.engine_nvfp4 = engine_nvfp4(metrics)
+        if self.engine_draft_log.get("unknown"):
+            draft_log = None  # the plugin did not wrap this scheduler: nothing is logged, counts are compared
+        # vLLM returns tokens and acceptance counts; its drafts only where our plugin logs them (a local engine).
+        # `engine_state` is what parity reads back after the run (the speculator itself may be released):
+        # drafts_source, drafts_reported (False once a request's logged drafts are refused) and unknown
         self.draft_log = draft_log
-        self.reports_drafts = draft_log is not None
-        self.drafts_source = DRAFTS_HOW if draft_log is not None else None  # said in the report
+        self.engine_state = {"drafts_reported": draft_log is not None,
+                             "drafts_source": DRAFTS_HOW if draft_log is not None else (
+                                 self.engine_draft_log["state"] if self.engine_draft_log.get("unknown") else None),
+                             "unknown": [f"{what}: {state['unknown']}" for what, state in (
+                                 ("the CPU sampler's expand shim", self.engine_sampler),
+                                 ("the EAGLE drafter at a prefill chunk's end", self.engine_chunk_tail),
+                                 ("the draft log", self.engine_draft_log),
+                                 ("NVFP4 linear kernels on the CPU", self.engine_nvfp4)) if state.get("unknown")]}
         # what the engine computes in, and how we know: {"dtype", "basis": set | observed | stated, "how"}
         self.runtime_dtype = runtime_dtype
         names = {name: dtype for dtype, name in VLLM_DTYPES.items()}
         self.compute_dtype = names.get((runtime_dtype or {}).get("dtype"), torch.float32 if exact else torch.bfloat16)
         self.rounds_in_order = True  # False once a server answers without per-step acceptance
-        metrics = client.metrics()
-        self.engine_sampler = engine_sampler(metrics)  # what its sampler is, as our plugin found it
-        self.engine_chunk_tail = engine_chunk_tail(metrics)  # its drafter at a prefill chunk's end, likewise
         self._finalizer = weakref.finalize(self, _shutdown, server, cleanup)
 
     @property
     def url(self) -> str:
         return self.client.url
+
+    @property
+    def reports_drafts(self) -> bool:
+        return self.engine_state["drafts_reported"]
+
+    @property
+    def drafts_source(self) -> str | None:
+        return self.engine_state["drafts_source"]
 
     def sampling_rule(self, requested: str | None) -> tuple[str, str]:
         """vLLM 0.32 drafts by argmax unless started with draft_sample_method "probabilistic", whose draft
@@ -103,7 +125,7 @@ class VllmSpeculator(Speculator):
         done = self.client.complete(list(prompt_ids), max_new_tokens, temperature, seed, tuple(stop_ids), name)
         counts = self._counters() - before
         accepted = self._accepted_per_step(done, counts, depth)
-        result = SpecResult(done.tokens, self._drafts(name, accepted), accepted, depth)
+        result = SpecResult(done.tokens, self._drafts(name, accepted, done.spec_metrics), accepted, depth)
         if observer is not None:
             replay_rounds(result, observer)
         return result
@@ -138,17 +160,29 @@ class VllmSpeculator(Speculator):
         self._check_depth(next((d.spec_metrics for d in done if d.spec_metrics), None), pooled, depth)
         per_request = all("per_step_accepted" in (d.spec_metrics or {}) for d in done)
         accepted = [[int(a) for a in d.spec_metrics["per_step_accepted"]] if per_request else [] for d in done]
-        results = [SpecResult(d.tokens, self._drafts(name, steps) if per_request else [], steps, depth)
+        results = [SpecResult(d.tokens, self._drafts(name, steps, d.spec_metrics) if per_request else [], steps, depth)
                    for d, name, steps in zip(done, names, accepted)]
+        if not self.reports_drafts:  # a request's drafts refused: none of this run's are compared
+            results = [replace(r, drafts=[]) for r in results]
         counters = {"rounds": pooled.drafts, "accepted": pooled.accepted_tokens,
                     "accepted_per_position": (pooled.accepted_per_position + [0] * depth)[:depth],
                     **engine_deltas(before, after)}
         batching = batch_figures(sampler, min(concurrency, len(prompts)), counters) if sampler else None
         return ConcurrentRun(results, counters, per_request, batching)
 
-    def _drafts(self, name: str | None, accepted: list[int]) -> list[list[int]]:
-        """The request's drafts, round by round, from the engine's draft log; [] where none is kept."""
-        return [] if self.draft_log is None else self.draft_log.take(name, accepted)
+    def _drafts(self, name: str | None, accepted: list[int], spec: dict | None = None) -> list[list[int]]:
+        """The request's drafts, round by round, from the engine's draft log, checked against what its
+        response says of them (`spec`: per_step_drafted, num_spec_tokens); [] where none is kept. A
+        request whose logged drafts are placeholders (vLLM's async scheduler) stops the drafts of this
+        engine being reported at all: from here on parity compares counts only, and says why."""
+        if self.draft_log is None or not self.reports_drafts:
+            return []
+        spec = spec or {}
+        drafts = self.draft_log.take(name, accepted, spec.get("per_step_drafted"), spec.get("num_spec_tokens"))
+        if drafts is None:
+            self.engine_state.update(drafts_reported=False, drafts_source=f"not reported: {self.draft_log.refused}")
+            return []
+        return drafts
 
     def _metrics(self) -> EngineMetrics:
         metrics = self.client.metrics()
@@ -205,30 +239,40 @@ def engine_sampler(metrics: EngineMetrics) -> dict:
     "broken" (True: it samples with per-token parameters that are not the request's; None: not known),
     "how"}. vLLM 0.32's CPU build expands them through a broken shim (vllm#55005;
     plugins/vllm/eagle31_vllm_plugin/cpu_sampler.py), which the plugin replaces unless told not to."""
-    return plugin_state(metrics.sampler_plugin, ("shim", "sampler"), SAMPLER_STATES, ("broken", "left_as_shipped"),
+    return plugin_state(metrics.sampler_plugin, ("shim", "sampler"), SAMPLER_STATES, (("broken", "left_as_shipped"),),
                         SAMPLER_HOW, "unknown: the server runs without our vLLM plugin's sampler check (no "
                         "eagle31_vllm_cpu_sampler on /metrics; vLLM's CPU build up to 0.32 has a broken expand shim, "
                         f"{UPSTREAM_SAMPLER_ISSUE}: install plugins/vllm)")
 
 
-def plugin_state(labels: dict | None, names: tuple[str, str], states: dict, broken: tuple[str, str], how: str,
-                 unknown: str) -> dict:
-    """{"state", "broken", "how"} from one of our plugin's state gauges: its labels `names` read through
-    `states` (labels it does not list are said as they are); `broken` True for the `broken` labels,
-    None (and `unknown` said) where the server publishes no such gauge."""
+NOT_RECOGNISED = "not_recognised"  # plugins/vllm/eagle31_vllm_plugin/outcome.py: NOT_RECOGNISED
+
+
+def plugin_state(labels: dict | None, names: tuple[str, ...], states: dict, broken: tuple[tuple[str, ...], ...],
+                 how: str, unknown: str | None) -> dict:
+    """{"state", "broken", "how", "unknown"} from one of our plugin's state gauges: its labels `names`
+    read through `states`; `broken` True for the `broken` labels. None (and `unknown` said) where the
+    server publishes no such gauge. Where the plugin did not recognise what it patches (a label
+    NOT_RECOGNISED), or says labels `states` does not list (another version of the plugin), the
+    state is "unknown on vLLM X.Y (reason)", `broken` None and `unknown` that line: never healthy."""
     if labels is None:
-        return {"state": unknown, "broken": None, "how": how}
-    key = (labels.get(names[0]), labels.get(names[1]))
-    state = states.get(key, f"{names[0]} {key[0]}, {names[1]} {key[1]}")
-    return {"state": state, "broken": key == broken, "how": how}
+        return {"state": unknown, "broken": None, "how": how, "unknown": None}
+    key = tuple(labels.get(name) for name in names)
+    version = labels.get("vllm") or "?"
+    if NOT_RECOGNISED in key or key not in states:
+        said = (labels.get("reason") or "no reason given") if NOT_RECOGNISED in key else (
+            "labels this runtime does not know: " + ", ".join(f"{n} {v}" for n, v in zip(names, key)))
+        line = f"unknown on vLLM {version} ({said}): left as shipped"
+        return {"state": line, "broken": None, "how": how, "unknown": line}
+    return {"state": states[key], "broken": key in broken, "how": how, "unknown": None}
 
 
 CHUNK_TAIL_STATES = {  # our plugin's gauge labels (shipped, drafter) -> what the report says
     ("last_prompt_token", "fixed_by_plugin"): "the next prompt token (shipped: the prompt's last token; fixed by the "
                                                "plugin)",
     ("last_prompt_token", "left_as_shipped"): "the prompt's last token: left as shipped",
-    ("not_recognised", "as_shipped"): "as shipped (not the defect the plugin fixes)",
-    ("none", "as_shipped"): "as shipped (this vLLM has no padded EAGLE proposer)",
+    ("last_prompt_token", "fix_found_no_runner"): "the prompt's last token: the plugin's fix found no model runner "
+                                                   "when it ran, so the shipped choice stood",
 }
 CHUNK_TAIL_HOW = ("the server's /metrics (eagle31_vllm_eagle_chunk_tail, set by our vLLM plugin, which calls vLLM's "
                   "prepare_next_token_ids_padded on one partial prefill in every process)")
@@ -240,10 +284,41 @@ def engine_chunk_tail(metrics: EngineMetrics) -> dict:
     drafts after a chunked prefill are off; None: not known), "how"}
     (plugins/vllm/eagle31_vllm_plugin/chunk_tail.py)."""
     return plugin_state(metrics.chunk_tail_plugin, ("shipped", "drafter"), CHUNK_TAIL_STATES,
-                        ("last_prompt_token", "left_as_shipped"), CHUNK_TAIL_HOW,
+                        (("last_prompt_token", "left_as_shipped"), ("last_prompt_token", "fix_found_no_runner")),
+                        CHUNK_TAIL_HOW,
                         "unknown: the server runs without our vLLM plugin's check (no eagle31_vllm_eagle_chunk_tail on "
                         "/metrics; vLLM 0.32's padded drafter batch reads the prompt's last token there: install "
                         "plugins/vllm)")
+
+
+DRAFT_LOG_STATES = {("logging",): "logged by our vLLM plugin in vLLM's scheduler"}
+DRAFT_LOG_HOW = ("the server's /metrics (eagle31_vllm_draft_log, set by our vLLM plugin, which reads the signatures "
+                 "of vLLM's Scheduler.make_spec_decoding_stats and update_from_output and SchedulerOutput's fields "
+                 "before it wraps them)")
+
+
+def engine_draft_log(metrics: EngineMetrics, asked: bool) -> dict:
+    """Whether our vLLM plugin logs the drafts of the engine's scheduler: {"state", "broken", "how",
+    "unknown"}; `unknown` where it did not recognise the scheduler and logs nothing (`asked`: the
+    engine was started with the draft log's folder; a server that publishes no gauge says nothing)."""
+    state = plugin_state(metrics.draft_log_plugin, ("log",), DRAFT_LOG_STATES, (), DRAFT_LOG_HOW, None)
+    if state["unknown"]:
+        state["state"] = f"not reported: our vLLM plugin's draft log is {state['unknown']}; compared on counts only"
+    elif metrics.draft_log_plugin is None:
+        state["state"] = "not published by the server" if asked else "not asked for"
+    return state
+
+
+NVFP4_STATES = {("emulation_listed_by_plugin",): "vLLM's EmulationNvFp4LinearKernel, listed by our plugin",
+                ("vllm_own",): "vLLM's own CPU kernels (the plugin lists none)"}
+NVFP4_HOW = ("the server's /metrics (eagle31_vllm_cpu_nvfp4, set by our vLLM plugin, which reads vLLM's "
+             "_POSSIBLE_NVFP4_KERNELS)")
+
+
+def engine_nvfp4(metrics: EngineMetrics) -> dict:
+    """Which NVFP4 linear kernels vLLM's CPU build lists, as our plugin found and left them; `unknown`
+    where it did not recognise vLLM's private kernel list (nothing listed; an NVFP4 target fails to load)."""
+    return plugin_state(metrics.nvfp4_plugin, ("kernels",), NVFP4_STATES, (), NVFP4_HOW, None)
 
 
 def _wait(barrier: threading.Barrier) -> None:

