@@ -96,11 +96,53 @@ def inspect_drafter(path: Path, target: str | os.PathLike | None) -> dict[str, A
         "problems": problems,
         "warnings": warnings,
     }
+    lint_problems, lint_warnings, report["engine_defaults"] = drafter_lints(ckpt, path, target)
+    problems += lint_problems
+    warnings += lint_warnings
     if ids is None:
         report["taps"] = DEFAULT_TAPS_NOTE
     report["max_positions"] = MAX_POSITIONS_NOTES[resolved.max_position_source].format(
         n=resolved.max_position_embeddings)
     return report
+
+
+def drafter_lints(ckpt: DrafterCheckpoint, path: Path, target: str | os.PathLike | None
+                  ) -> tuple[list[str], list[str], list[dict[str, Any]]]:
+    """(problems, warnings, per-flag table) of what the engines would run differently from this package's
+    reading: EAGLE 3.1 flags left to defaults or nested where an engine does not look, a drafter's own
+    embed_tokens, a declared sliding window (formats/drafter/engine_defaults.py; docs/silent-bugs.md)."""
+    from eagle31_export.formats.drafter.engine_defaults import SGLANG_EMBED, VLLM_EMBED, flag_lints, window_lint
+    from eagle31_export.formats.drafter.formats import FORMATS
+
+    cfg = ckpt.config
+    raw = read_json(path / "config.json")
+    ours = {"fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output, "norm_before_fc": cfg.norm_before_fc}
+    problems, warnings, table = flag_lints(raw, ckpt.format, FORMATS[ckpt.format].flag_keys, ours)
+    window = window_lint(cfg.extras)
+    if window:
+        warnings.append(window)
+    if "embed_tokens.weight" in ckpt.tensors:
+        same = None if target is None else _same_embeddings(ckpt, Path(target))
+        if same is False:
+            problems.append(f"the drafter carries embed_tokens that differ from the target's: {VLLM_EMBED}; "
+                            f"{SGLANG_EMBED}; the two engines run different drafters (the reference here uses "
+                            "the drafter's own)")
+        elif same is None:
+            warnings.append(f"the drafter carries its own embed_tokens: {VLLM_EMBED}; {SGLANG_EMBED}; pass --target "
+                            "to compare them with the target's")
+    return problems, warnings, table
+
+
+def _same_embeddings(ckpt: DrafterCheckpoint, target: Path) -> bool | None:
+    """Whether the drafter's embed_tokens equal the target's (None: the target's table was not found)."""
+    from eagle31_export.formats.safetensors_io import SafetensorsDir
+
+    source = SafetensorsDir(target)
+    names = [n for n in source if n.endswith("embed_tokens.weight")]
+    if len(names) != 1:
+        return None
+    mine, theirs = ckpt.tensors["embed_tokens.weight"], source[names[0]]
+    return mine.shape == theirs.shape and bool(torch.equal(mine.to(theirs.dtype), theirs))
 
 
 # What `inspect` says about the drafter's max_position_embeddings (config.with_max_positions).
