@@ -27,7 +27,7 @@ def sabotage(
 ) -> None:
     """Write a copy of a bundle or drafter that differs exactly as one reported silent bug (docs/silent-bugs.md),
     to show what inspect, verify and parity say about it. Never serve the copy."""
-    from eagle31_export.export.sabotage import catalogue, sabotage_named, write_sabotaged
+    from eagle31_export.sabotage import catalogue, sabotage_named, write_sabotaged
 
     if list_:
         classes = catalogue()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from eagle31_export.config import ConfigError, long_context_problems, output_to_before_layer, with_max_positions
-from eagle31_export.errors import CheckpointError
+from eagle31_export.errors import CheckpointError, UserError
 from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, t2d_from_d2t
 from eagle31_export.formats.drafter.engine_taps import missing_taps_problem
 from eagle31_export.formats.outputs import check_enclosing_output
@@ -131,6 +131,23 @@ def drafter_lints(ckpt: DrafterCheckpoint, path: Path, target: str | os.PathLike
             warnings.append(f"the drafter carries its own embed_tokens: {VLLM_EMBED}; {SGLANG_EMBED}; pass --target "
                             "to compare them with the target's")
     return problems, warnings, table
+
+
+def bundle_lints(folder: str | os.PathLike) -> list[str]:
+    """What `verify` warns about a serving bundle's drafter: `drafter_lints` on the drafter the engine
+    will read, against the bundle's target, and a copy broken on purpose (`sabotage`) named as such."""
+    folder = Path(folder)
+    record = read_json(folder / "bundle.json")
+    drafter, target = folder / str(record.get("drafter")), folder / str(record.get("target"))
+    lines = []
+    if isinstance(record.get("sabotage"), dict):
+        lines.append(f"this bundle is a broken copy on purpose ({record['sabotage'].get('name')}): never serve it")
+    try:
+        ckpt = read_drafter(drafter, strict=False)
+        problems, warnings, _ = drafter_lints(ckpt, drafter, target if (target / "config.json").is_file() else None)
+    except UserError as err:  # a changed drafter: verify's own differences say what changed
+        return lines + [f"bundle drafter: {err}"]
+    return lines + [f"bundle drafter: {line}" for line in ckpt.problems + problems + warnings]
 
 
 def _same_embeddings(ckpt: DrafterCheckpoint, target: Path) -> bool | None:

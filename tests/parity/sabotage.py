@@ -1,10 +1,10 @@
 """The export bugs users hit in practice, applied on purpose: the package's sabotage library
-(eagle31_export/export/sabotage.py), under the names the tests and benchmarks import.
+(eagle31_export/sabotage.py), under the names the tests and benchmarks import.
 
 See docs/silent-bugs.md, docs/tapped-layers.md#known-off-by-one-bugs and docs/eagle31.md#known-framework-bugs.
 """
 
-from eagle31_export.export.sabotage import (  # noqa: F401
+from eagle31_export.sabotage import (  # noqa: F401
     cut_positions,
     drop_d2t,
     drop_fc_norm,

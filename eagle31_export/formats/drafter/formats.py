@@ -276,7 +276,7 @@ class DrafterFormat:
     stores_full_vocab_d2t = True  # writes d2t even when draft_vocab_size == vocab_size
     # Where this format's config.json holds each EAGLE 3.1 flag: the key paths its reader takes the
     # flag from (the first is the one its writer sets). `inspect`'s default lints and the sabotage
-    # library (export/sabotage.py) use these instead of spelling a format's keys themselves.
+    # library (eagle31_export/sabotage.py) use these instead of spelling a format's keys themselves.
     flag_keys: dict[str, tuple[tuple[str, ...], ...]] = {
         "fc_norm": (("fc_norm",), ("eagle_config", "fc_norm")),
         "norm_output": (("norm_output",),),

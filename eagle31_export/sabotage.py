@@ -14,8 +14,8 @@ records the class under "sabotage". A drafter's copy gets a `sabotage.json` besi
 
 The functions on a `DrafterCheckpoint` (`shift_aux_ids`, `pre_norm_feedback`, ...) return the broken
 checkpoint for code that writes it itself (tests, benchmarks/verdict_power.py); the NVFP4 target edits at
-the end change a checkpoint folder in place. No module of the library imports this one (an
-import-linter contract in pyproject.toml).
+the end change a checkpoint folder in place. No module of the library imports this one (it sits on
+the top layer of the import-linter contract in pyproject.toml).
 """
 
 from __future__ import annotations
