@@ -224,8 +224,9 @@ def _check_tensors(cfg: DrafterConfig, tensors: RenamedTensors, path: Path) -> N
             raise CheckpointError(f"{tensors.where(name)}: shape {found}, expected {list(shape)} from config.json")
     extra = sorted(set(tensors) - set(expected))
     if extra and all(n.startswith("fc_norm.") for n in extra):
-        raise CheckpointError(f"{path}: fc_norm weights {extra[:3]} but fc_norm is off in config.json: a reader that "
-                              "loads them applies no norm (vllm-project/vllm PR #43482); set fc_norm or drop the weights")
+        raise CheckpointError(f"{path}: unexpected tensors {extra[:3]}: fc_norm weights, but fc_norm is off in "
+                              "config.json; a reader that loads them applies no norm (vllm-project/vllm PR #43482): "
+                              "set fc_norm or drop the weights")
     if extra:
         raise CheckpointError(f"{path}: unexpected tensors {extra[:5]} for this config "
                               f"(fc_norm={cfg.fc_norm}, norm_before_fc={cfg.norm_before_fc}, layers={cfg.num_layers}); "
