@@ -20,6 +20,7 @@ from eagle31_export.cli import (
     parity_cmd,
     plugins_cmd,
     quantize_cmd,
+    sabotage_cmd,
     serve_cmd,
     speculate_cmd,
     verify_cmd,
@@ -58,6 +59,7 @@ def _register() -> None:
     convert_cmd.register(app)
     capture_cmd.register(app)
     diagnose_cmd.register(app)
+    sabotage_cmd.register(app)
 
 
 _register()

@@ -26,6 +26,10 @@ def verify(
     manifest = read_manifest(folder)
     differences = verify_output(folder)
     warnings = yaml_switch_warnings(folder)  # what would turn speculation off, changed or not
+    if (folder / "bundle.json").is_file() and not differences:
+        from eagle31_export.inspection import bundle_lints
+
+        warnings += bundle_lints(folder)  # what the engine would run differently (docs/silent-bugs.md)
     files = len(manifest["files"])
     references = {role: ref["path"] for role, ref in (manifest.get("references") or {}).items()}
     if as_json:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from eagle31_export.config import ConfigError, long_context_problems, output_to_before_layer, with_max_positions
-from eagle31_export.errors import CheckpointError
+from eagle31_export.errors import CheckpointError, UserError
 from eagle31_export.formats.drafter.checkpoint import DrafterCheckpoint, read_drafter, t2d_from_d2t
 from eagle31_export.formats.drafter.engine_taps import missing_taps_problem
 from eagle31_export.formats.outputs import check_enclosing_output
@@ -96,11 +96,70 @@ def inspect_drafter(path: Path, target: str | os.PathLike | None) -> dict[str, A
         "problems": problems,
         "warnings": warnings,
     }
+    lint_problems, lint_warnings, report["engine_defaults"] = drafter_lints(ckpt, path, target)
+    problems += lint_problems
+    warnings += lint_warnings
     if ids is None:
         report["taps"] = DEFAULT_TAPS_NOTE
     report["max_positions"] = MAX_POSITIONS_NOTES[resolved.max_position_source].format(
         n=resolved.max_position_embeddings)
     return report
+
+
+def drafter_lints(ckpt: DrafterCheckpoint, path: Path, target: str | os.PathLike | None
+                  ) -> tuple[list[str], list[str], list[dict[str, Any]]]:
+    """(problems, warnings, per-flag table) of what the engines would run differently from this package's
+    reading: EAGLE 3.1 flags left to defaults or nested where an engine does not look, a drafter's own
+    embed_tokens, a declared sliding window (formats/drafter/engine_defaults.py; docs/silent-bugs.md)."""
+    from eagle31_export.formats.drafter.engine_defaults import SGLANG_EMBED, VLLM_EMBED, flag_lints, window_lint
+    from eagle31_export.formats.drafter.formats import FORMATS
+
+    cfg = ckpt.config
+    raw = read_json(path / "config.json")
+    ours = {"fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output, "norm_before_fc": cfg.norm_before_fc}
+    problems, warnings, table = flag_lints(raw, ckpt.format, FORMATS[ckpt.format].flag_keys, ours)
+    window = window_lint(cfg.extras)
+    if window:
+        warnings.append(window)
+    if "embed_tokens.weight" in ckpt.tensors:
+        same = None if target is None else _same_embeddings(ckpt, Path(target))
+        if same is False:
+            problems.append(f"the drafter carries embed_tokens that differ from the target's: {VLLM_EMBED}; "
+                            f"{SGLANG_EMBED}; the two engines run different drafters (the reference here uses "
+                            "the drafter's own)")
+        elif same is None:
+            warnings.append(f"the drafter carries its own embed_tokens: {VLLM_EMBED}; {SGLANG_EMBED}; pass --target "
+                            "to compare them with the target's")
+    return problems, warnings, table
+
+
+def bundle_lints(folder: str | os.PathLike) -> list[str]:
+    """What `verify` warns about a serving bundle's drafter: `drafter_lints` on the drafter the engine
+    will read, against the bundle's target, and a copy broken on purpose (`sabotage`) named as such."""
+    folder = Path(folder)
+    record = read_json(folder / "bundle.json")
+    drafter, target = folder / str(record.get("drafter")), folder / str(record.get("target"))
+    lines = []
+    if isinstance(record.get("sabotage"), dict):
+        lines.append(f"this bundle is a broken copy on purpose ({record['sabotage'].get('name')}): never serve it")
+    try:
+        ckpt = read_drafter(drafter, strict=False)
+        problems, warnings, _ = drafter_lints(ckpt, drafter, target if (target / "config.json").is_file() else None)
+    except UserError as err:  # a changed drafter: verify's own differences say what changed
+        return lines + [f"bundle drafter: {err}"]
+    return lines + [f"bundle drafter: {line}" for line in ckpt.problems + problems + warnings]
+
+
+def _same_embeddings(ckpt: DrafterCheckpoint, target: Path) -> bool | None:
+    """Whether the drafter's embed_tokens equal the target's (None: the target's table was not found)."""
+    from eagle31_export.formats.safetensors_io import SafetensorsDir
+
+    source = SafetensorsDir(target)
+    names = [n for n in source if n.endswith("embed_tokens.weight")]
+    if len(names) != 1:
+        return None
+    mine, theirs = ckpt.tensors["embed_tokens.weight"], source[names[0]]
+    return mine.shape == theirs.shape and bool(torch.equal(mine.to(theirs.dtype), theirs))
 
 
 # What `inspect` says about the drafter's max_position_embeddings (config.with_max_positions).

@@ -81,3 +81,10 @@ def test_the_library_imports_neither_the_cli_nor_a_ui(forbidden):
     offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "eagle31_export").rglob("*.py")
                  if any(n == forbidden or n.startswith(forbidden + ".") for n in _imported_names(p))]
     assert offenders == []
+
+
+def test_a_library_module_importing_the_sabotage_library_breaks_the_contract(tmp_path):
+    """The broken copies sit on the top layer: inspection (or any library module) importing them is caught."""
+    result = lint(_copy_with(tmp_path, "inspection.py", "eagle31_export.sabotage"))
+    assert result.returncode == 1, result.stdout
+    assert "eagle31_export.inspection is not allowed to import eagle31_export.sabotage" in result.stdout

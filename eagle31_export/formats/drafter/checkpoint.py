@@ -181,7 +181,7 @@ def read_drafter(path: str | os.PathLike, strict: bool = True) -> DrafterCheckpo
         raise CheckpointError(f"{path / 'config.json'}: malformed {fmt.name} config ({err!r})") from None
     tensors = RenamedTensors(source, fmt, cfg, stored)
     _check_tensors(cfg, tensors, path)
-    problems = value_problems(cfg, tensors)
+    problems = missing_d2t_problems(cfg, tensors, path) + value_problems(cfg, tensors)
     if problems and strict:
         more = f" ({len(problems) - 1} more problem(s): run `eagle31-export inspect {path}`)" if len(problems) > 1 else ""
         raise CheckpointError(f"drafter {path}: {problems[0]}{more}")
@@ -223,13 +223,25 @@ def _check_tensors(cfg: DrafterConfig, tensors: RenamedTensors, path: Path) -> N
         if tuple(found) != shape:
             raise CheckpointError(f"{tensors.where(name)}: shape {found}, expected {list(shape)} from config.json")
     extra = sorted(set(tensors) - set(expected))
+    if extra and all(n.startswith("fc_norm.") for n in extra):
+        raise CheckpointError(f"{path}: unexpected tensors {extra[:3]}: fc_norm weights, but fc_norm is off in "
+                              "config.json; a reader that loads them applies no norm (vllm-project/vllm PR #43482): "
+                              "set fc_norm or drop the weights")
     if extra:
         raise CheckpointError(f"{path}: unexpected tensors {extra[:5]} for this config "
                               f"(fc_norm={cfg.fc_norm}, norm_before_fc={cfg.norm_before_fc}, layers={cfg.num_layers}); "
                               "the config flags likely do not match the weights")
-    if "d2t" not in tensors and cfg.draft_vocab_size != cfg.vocab_size:
-        raise CheckpointError(f"{path}: tensor 'd2t' missing, needed because draft_vocab_size "
-                              f"{cfg.draft_vocab_size} != vocab_size {cfg.vocab_size}")
+
+
+def missing_d2t_problems(cfg: DrafterConfig, tensors: Mapping[str, Any], path: Path) -> list[str]:
+    """A smaller draft vocabulary without its d2t map: refused when read strictly, listed by `inspect`
+    with what the engines then do (formats/drafter/engine_defaults.py)."""
+    from eagle31_export.formats.drafter.engine_defaults import SGLANG_NO_D2T, VLLM_NO_D2T
+
+    if "d2t" in tensors or cfg.draft_vocab_size == cfg.vocab_size:
+        return []
+    return [f"tensor 'd2t' missing, needed because draft_vocab_size {cfg.draft_vocab_size} != vocab_size "
+            f"{cfg.vocab_size}; {VLLM_NO_D2T}; {SGLANG_NO_D2T}"]
 
 
 def value_problems(cfg: DrafterConfig, tensors: RenamedTensors) -> list[str]:

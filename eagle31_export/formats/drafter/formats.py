@@ -189,6 +189,17 @@ def _flag(c: dict[str, Any], *names: str) -> bool:
     return any(bool(c.get(n, False)) for n in names)
 
 
+# The EAGLE 3.1 flags a flat config may also carry inside `eagle_config` (NVIDIA checkpoints nest
+# norm_before_fc there: vllm-project/vllm PR #42143). Read as a fallback, as vLLM 0.32 reads
+# norm_before_fc; `inspect` names every engine that reads only the top-level key
+# (formats/drafter/engine_defaults.py).
+NESTABLE_FLAGS = ("fc_norm", "norm_before_fc")
+
+
+def _nested_flag(c: dict[str, Any], name: str) -> bool:
+    return _flag(_object(c, "eagle_config"), name)
+
+
 def _num_aux(c: dict[str, Any], ids: tuple[int, ...] | None) -> int:
     # vLLM's rule: num_aux_hidden_states, else the number of tapped ids, else 3.
     if c.get("num_aux_hidden_states") is not None:
@@ -263,6 +274,14 @@ class DrafterFormat:
     stores_t2d = True  # writes the t2d buffer (derived from d2t when the checkpoint lacks it)
     d2t_dtype = torch.int64  # dtype d2t is stored in (read back as canonical int64)
     stores_full_vocab_d2t = True  # writes d2t even when draft_vocab_size == vocab_size
+    # Where this format's config.json holds each EAGLE 3.1 flag: the key paths its reader takes the
+    # flag from (the first is the one its writer sets). `inspect`'s default lints and the sabotage
+    # library (eagle31_export/sabotage.py) use these instead of spelling a format's keys themselves.
+    flag_keys: dict[str, tuple[tuple[str, ...], ...]] = {
+        "fc_norm": (("fc_norm",), ("eagle_config", "fc_norm")),
+        "norm_output": (("norm_output",),),
+        "norm_before_fc": (("eagle_config", "norm_before_fc"),),
+    }
 
     # ---- what the format can hold -----------------------------------------
     def limits(self, cfg: DrafterConfig) -> list[str]:
@@ -277,6 +296,11 @@ class DrafterFormat:
 
     def holds(self, cfg: DrafterConfig) -> bool:
         return not self.limits(cfg)
+
+    def key_path(self, key: str) -> tuple[str, ...]:
+        """Where a Llama-style key (`max_position_embeddings`, `rope_scaling`, `sliding_window`, ...)
+        lives in this format's config.json."""
+        return (key,)
 
     # ---- tensor names ----------------------------------------------------
     def to_canonical(self, name: str, cfg: DrafterConfig) -> str:
@@ -313,7 +337,9 @@ class EagleFormat(DrafterFormat):
     def read_config(self, c):
         ids = _ids(c.get("eagle_aux_hidden_state_layer_ids"))
         ids = before_layer_to_output(ids) if ids is not None else None
-        return _flat_config(c, ids, fc_norm=_flag(c, "fc_norm")), _unknown(c, self.known)
+        return (_flat_config(c, ids, fc_norm=_flag(c, "fc_norm") or _nested_flag(c, "fc_norm"),
+                             norm_before_fc=_nested_flag(c, "norm_before_fc")),
+                _unknown(c, self.known))
 
     def write_config(self, cfg):
         out = {"architectures": [self.architecture], "model_type": "llama", **llama_keys(cfg),
@@ -337,14 +363,17 @@ class SpecForgeFormat(EagleFormat):
 
     name = "specforge"
     architecture = "LlamaForCausalLMEagle3"
+    flag_keys = {**EagleFormat.flag_keys,
+                 "fc_norm": (("fc_norm",), ("use_aux_norm",), ("eagle_config", "fc_norm"))}
     known = EagleFormat.known | {"eagle_config", "use_aux_norm"} | TORCHSPEC_KEYS
 
     def read_config(self, c):
         eagle_cfg = _object(c, "eagle_config")
         ids = _ids(eagle_cfg.get("eagle_aux_hidden_state_layer_ids", c.get("eagle_aux_hidden_state_layer_ids")))
-        cfg = _flat_config(c, ids, fc_norm=_flag(c, "fc_norm", "use_aux_norm"))  # sglang's alias
+        cfg = _flat_config(c, ids, fc_norm=_flag(c, "fc_norm", "use_aux_norm") or _nested_flag(c, "fc_norm"),
+                           norm_before_fc=_nested_flag(c, "norm_before_fc"))  # use_aux_norm: sglang's alias
         unknown = _unknown(c, self.known) + [f"eagle_config.{k}" for k in eagle_cfg
-                                             if k != "eagle_aux_hidden_state_layer_ids"]
+                                             if k not in ("eagle_aux_hidden_state_layer_ids", *NESTABLE_FLAGS)]
         return cfg, unknown
 
     def write_config(self, cfg):
@@ -359,6 +388,11 @@ class SpeculatorsFormat(DrafterFormat):
     """vllm-project/speculators `eagle3`: the layer config nested in `transformer_layer_config`."""
 
     name = "speculators"
+    flag_keys = {"fc_norm": (("fc_norm",), ("eagle_config", "fc_norm")), "norm_output": (("norm_output",),),
+                 "norm_before_fc": (("norm_before_fc",), ("eagle_config", "norm_before_fc"))}
+
+    def key_path(self, key):
+        return ("transformer_layer_config", key) if key in LLAMA_KEYS or key in RUNTIME_KEYS else (key,)
     known = {"speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
              "norm_before_residual", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_fc",
              "fc_norm", "norm_output", "speculators_config", "speculators_version", "enable_sp_ulysses",
@@ -387,9 +421,9 @@ class SpeculatorsFormat(DrafterFormat):
             target_hidden_size=_int(c, "target_hidden_size", None),
             aux_layer_ids=ids,
             num_aux_hidden_states=_num_aux(c, ids),
-            fc_norm=_flag(c, "fc_norm"),
+            fc_norm=_flag(c, "fc_norm") or _nested_flag(c, "fc_norm"),
             norm_output=_flag(c, "norm_output"),
-            norm_before_fc=_flag(c, "norm_before_fc"),
+            norm_before_fc=_flag(c, "norm_before_fc") or _nested_flag(c, "norm_before_fc"),
             norm_before_residual=_flag(c, "norm_before_residual"),
             extras={"speculators_config": c.get("speculators_config"), **runtime_extras(layer)},
         )
@@ -438,6 +472,9 @@ class ModelOptFormat(DrafterFormat):
     """NVIDIA ModelOpt HF export: nested `eagle_config`, `layers.N.*` names, no `t2d`."""
 
     name = "modelopt"
+    flag_keys = {"fc_norm": (("fc_norm",),),
+                 "norm_output": (("norm_output",), ("eagle_config", "return_hidden_post_norm")),
+                 "norm_before_fc": (("eagle_config", "norm_before_fc"),)}
     stores_t2d = False  # ModelOpt exports carry no t2d
     known = LLAMA_KEYS | {"eagle_config", "draft_vocab_size", "target_hidden_size", "fc_norm", "norm_output",
                           "num_aux_hidden_states", "norm_before_residual"} | TORCHSPEC_KEYS  # TorchSpec's MLA export
@@ -492,6 +529,7 @@ class TrtllmFormat(DrafterFormat):
     """
 
     name = "trtllm"
+    flag_keys = ModelOptFormat.flag_keys
     layer_prefix = "midlayer."
     architecture = "LlamaForCausalLMEagle3"
     stores_t2d = False
