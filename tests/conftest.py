@@ -81,3 +81,33 @@ def cli(monkeypatch, capsys):
         return code, out.out, out.err
 
     return run
+
+
+@pytest.fixture(scope="session")
+def vllm_env() -> str:
+    """The vLLM environment (`make setup-vllm`), or a skip; a failure under `make test` (EAGLE31_REQUIRE_VLLM)."""
+    import os
+
+    from eagle31_export.errors import UserError
+    from eagle31_export.runtime.vllm_engine import find_vllm
+    from vllm_servers import vllm_environment
+
+    named = vllm_environment()
+    try:
+        find_vllm(named)
+    except UserError as err:
+        if os.environ.get("EAGLE31_REQUIRE_VLLM") == "1":
+            pytest.fail(f"vLLM is required here: {err}")
+        pytest.skip(f"no vLLM environment: {err}")
+    return named
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(vllm_env, tmp_path_factory):
+    """The suite's shared vLLM servers (tests/vllm_servers.py): each started once for the whole run."""
+    from vllm_servers import ServerPool
+
+    pool = ServerPool(vllm_env, tmp_path_factory.mktemp("vllm-servers"))
+    yield pool
+    pool.stop()
+    print(f"\nshared vLLM servers: {len(pool.started)} started ({pool.restarts} of them again after making room)")
