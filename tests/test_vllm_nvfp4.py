@@ -32,16 +32,12 @@ import torch
 from eagle31_export.formats.nvfp4 import model as nvfp4_model, reader as nvfp4_reader
 from eagle31_export.formats.nvfp4.convert import convert_checkpoint
 from eagle31_export.formats.target.quantize import quantize_checkpoint
-from eagle31_export.export.bundle import read_bundle
-from eagle31_export.export.vllm import export_vllm
 from eagle31_export.reference import target as reference_target
-from eagle31_export.runtime.registry import LoadOptions
-from eagle31_export.runtime.vllm_engine import LocalServer, find_vllm
-from eagle31_export.runtime.vllm_runtime import engine_args
+from eagle31_export.runtime.vllm_engine import find_vllm
 from eagle31_export.errors import UserError
 from eagle31_export.parity.report import markdown
 from test_vllm_engine import (  # noqa: F401  (vllm: a fixture)
-    DRAFTER31, TARGET, TINY, assert_faithful_half_precision_pass, assert_not_vacuous, parity, vllm,
+    DRAFTER31, TARGET, TINY, assert_faithful_half_precision_pass, assert_not_vacuous, parity, parity_on, served, vllm,
 )
 from sabotage import reciprocal_global_scales, transpose_block_scales  # noqa: E402  (tests/parity, on the path)
 
@@ -64,26 +60,28 @@ def targets(tmp_path_factory) -> dict:
 
 
 def nvfp4_parity(vllm, target, dtype=None):
-    """No --act-quant: the reference learns from the engine that it quantizes activations."""
+    """No --act-quant: the reference learns from the engine that it quantizes activations (the local
+    engine this run starts)."""
     return parity(vllm, None, DRAFTER31, target=target, runtime_options={"dtype": dtype} if dtype else {})
 
 
-@pytest.mark.parametrize("name, served", [("modelopt-to-ct", "local"), ("quantized-ct", "url")])
-def test_compressed_tensors_targets_in_fp32_differ_by_fp4_rounding_ties_only(vllm, tmp_path, targets, name, served):
-    """The local engine parity starts, and a server started apart and reached with --url. fp32 with FP4
+def shared_nvfp4_parity(vllm, vllm_servers, target):
+    """The suite's shared fp32 server of the NVFP4 target's bundle, reached with --url: the reference follows
+    the target's quantization config (the server does not say which kernel it runs)."""
+    return parity_on(vllm, served(vllm_servers, DRAFTER31, target), DRAFTER31, target=target)
+
+
+@pytest.mark.parametrize("name", ["modelopt-to-ct", "quantized-ct"])
+def test_compressed_tensors_targets_in_fp32_differ_by_fp4_rounding_ties_only(vllm, vllm_servers, targets, name):
+    """Shared servers reached with --url (a local engine parity starts: the bf16 tests below). fp32 with FP4
     activations is not bit-comparable across machines: an activation within fp32's error of an FP4
     rounding boundary may round either way (one did on a 2-core CI machine, moving a token 7 decisions
     later by 0.09 logits), so the float64 measurement takes every such rounding the other way
     (parity/numerics.py: FP4_ROUNDING_BAND) and every difference must be a tie it explains."""
-    if served == "local":
-        report = nvfp4_parity(vllm, targets[name])
-    else:
-        record = read_bundle(export_vllm(DRAFTER31, targets[name], tmp_path / "bundle"))
-        with LocalServer(find_vllm(vllm), engine_args(record, LoadOptions(depth=3)), tmp_path) as server:
-            report = parity(vllm, None, DRAFTER31, target=targets[name], url=server.url)
+    report = shared_nvfp4_parity(vllm, vllm_servers, targets[name])
     assert report.passed, report.failures
     assert report.activations["fp4"] and report.thresholds.fp4_activations
-    assert report.activations["basis"] == ("set" if served == "local" else "config"), report.activations
+    assert report.activations["basis"] == "config", report.activations
     assert report.exact and report.ties_judged and all(not r.untied for r in report.rows)
     assert "FP4 roundings within" in report.numerics["precision"], report.numerics
     budget = report.tie_budget
@@ -126,19 +124,21 @@ def fresh_reference(monkeypatch):
     return monkeypatch
 
 
-def test_global_scale_read_without_its_reciprocal_fails_on_the_target(vllm, targets, fresh_reference):
-    """Our reader taking compressed-tensors' weight_global_scale as if it were ModelOpt's weight_scale_2."""
+def test_global_scale_read_without_its_reciprocal_fails_on_the_target(vllm, vllm_servers, targets, fresh_reference):
+    """Our reader taking compressed-tensors' weight_global_scale as if it were ModelOpt's weight_scale_2
+    (the engine is the faithful one the test above shares)."""
     fresh_reference.setattr(nvfp4_reader, "exact_inverse", lambda stored, recorded, semantics: stored)
-    report = nvfp4_parity(vllm, targets["modelopt-to-ct"])
+    report = shared_nvfp4_parity(vllm, vllm_servers, targets["modelopt-to-ct"])
     assert not report.passed
     assert any(TARGET_SYMPTOM in f for f in report.failures), report.failures
 
 
-def test_w4a4_reference_ignoring_input_scale_fails_on_the_target(vllm, targets, fresh_reference):
-    """Our W4A4 reference quantizing activations with global scale 1 instead of 1 / input_scale."""
+def test_w4a4_reference_ignoring_input_scale_fails_on_the_target(vllm, vllm_servers, targets, fresh_reference):
+    """Our W4A4 reference quantizing activations with global scale 1 instead of 1 / input_scale (the engine is
+    the faithful one shared above)."""
     quantize = nvfp4_model.fake_quant_activation
     fresh_reference.setattr(nvfp4_model, "fake_quant_activation", lambda x, global_scale: quantize(x, 1.0))
-    report = nvfp4_parity(vllm, targets["quantized-ct"])
+    report = shared_nvfp4_parity(vllm, vllm_servers, targets["quantized-ct"])
     assert not report.passed
     assert any(TARGET_SYMPTOM in f for f in report.failures), report.failures
 

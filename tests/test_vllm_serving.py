@@ -54,10 +54,13 @@ def test_an_engine_that_runs_one_request_at_a_time_did_not_batch(vllm, serial_bf
     rows = {row.concurrency: row for row in report.concurrency}
     assert rows[4].same_tokens_as_c1 == rows[4].same_rounds_as_c1 == 8  # nothing else tells it
     batching = rows[4].batching
-    assert batching["largest"] == 1 and batching["in_flight"] == 4 and set(batching["histogram"]) == {"1"}, batching
+    assert batching["largest"] == 1 and set(batching["histogram"]) == {"1"}, batching
     assert rows[4].runtime_counters["engine_steps"] > rows[4].rounds  # a step per round and prompt, prefills too
-    assert [f for f in report.failures if NOT_BATCHED in f] and all(NOT_BATCHED in f for f in report.failures), \
-        report.failures
+    if batching["in_flight"] >= 2:  # the engine was sent two or more at once and ran one: its fault
+        assert [f for f in report.failures if NOT_BATCHED in f] and all(NOT_BATCHED in f for f in report.failures), \
+            report.failures
+    else:  # a client starved of CPU sent one at a time: the engine's batching is not shown, and not failed
+        assert not report.failures and "batching not shown" in rows[4].batching_not_shown, rows[4]
     assert all(not row.untied for row in report.rows)  # half-precision differences: ties, not drafter bugs
     assert "runtime dtype: bfloat16, observed: the server's /server_info" in markdown(report)
 

@@ -35,6 +35,7 @@ class MixedBatchRow:
     ties: list[str] = field(default_factory=list)
     untied: list[str] = field(default_factory=list)  # the first difference beyond a tie of each differing prompt
     largest_batch: int | None = None  # the most requests the engine ran together (its figures; None: not told)
+    client_in_flight: int | None = None  # the most requests the client itself had in flight at once (None: not told)
 
 
 def mixed_samplings(count: int, sampling: Sampling) -> list:
@@ -54,7 +55,8 @@ def check_mixed_batches(reference: Speculator, runtime: Speculator, prompts: lis
         for n, c in enumerate(extra):
             run = runtime.run_concurrently(prompts, max_new_tokens, depth, c, samplings, seed)
             row = MixedBatchRow(c, greedy, [i for i in range(len(prompts)) if i not in greedy],
-                                largest_batch=run.batching.largest if run.batching is not None else None)
+                                largest_batch=run.batching.largest if run.batching is not None else None,
+                                client_in_flight=run.batching.in_flight if run.batching is not None else None)
             for i in greedy:
                 result = run.results[i]
                 ref = reference.replay(prompts[i], result)
