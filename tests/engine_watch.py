@@ -9,7 +9,9 @@ The summary at the end says how many engines the run started and which tests sta
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import threading
 from collections import Counter
 from pathlib import Path
@@ -104,10 +106,25 @@ class EngineWatch:
 
 
 WATCH = EngineWatch()
+# where xdist workers leave what they counted, for the controller's summary (inherited by the workers it starts)
+REPORTS_ENV = "EAGLE31_ENGINE_WATCH_DIR"
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):
+        os.environ[REPORTS_ENV] = tempfile.mkdtemp(prefix="engine-watch-")
 
 
 def pytest_sessionstart(session):
-    WATCH.start()
+    if not session.config.pluginmanager.hasplugin("dsession"):  # xdist's controller runs no test: its workers watch
+        WATCH.start()
+
+
+def pytest_sessionfinish(session):
+    workerinput = getattr(session.config, "workerinput", None)
+    if workerinput is not None and os.environ.get(REPORTS_ENV):
+        WATCH.stop()
+        Path(os.environ[REPORTS_ENV], f"{workerinput['workerid']}.json").write_text(json.dumps(WATCH.starts))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -133,9 +150,12 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_terminal_summary(terminalreporter):
     WATCH.stop()
-    by_kind = Counter(kind for _, kind, _ in WATCH.starts)
-    by_test = Counter(who for who, _, _ in WATCH.starts)
-    terminalreporter.write_sep("-", f"engines started: {len(WATCH.starts)} "
+    starts = list(WATCH.starts)
+    for worker in sorted(Path(os.environ.get(REPORTS_ENV) or "/nonexistent").glob("*.json")):
+        starts += [tuple(start) for start in json.loads(worker.read_text())]
+    by_kind = Counter(kind for _, kind, _ in starts)
+    by_test = Counter(who for who, _, _ in starts)
+    terminalreporter.write_sep("-", f"engines started: {len(starts)} "
                                     f"(vLLM {by_kind.get('vllm', 0)}, Triton {by_kind.get('triton', 0)})")
     for who, count in by_test.most_common():
         terminalreporter.write_line(f"{count:3d}  {who}")
