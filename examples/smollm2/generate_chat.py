@@ -10,12 +10,15 @@ missing step, with the same sampling seeds):
 1. `data/chat/prompts-NNNNN.jsonl.gz`: requests the target writes itself (`magpie.py`).
 2. `data/chat/answers-NNNNN.jsonl.gz`: one conversation a line, as token ids (`ids`: the served
    prompt, then the target's answer, and for two-turn ones the next request and answer), with its
-   kind: `source` (magpie or stdlib), `system` (the system prompt's label, `magpie.SYSTEM_PROMPTS`),
+   kind: `source` (magpie or stdlib), `system` (the system prompt's label, `magpie.SYSTEM_PROMPTS`, in
+   the conversation; `written_under`: the one the request was written under, see below),
    `mode` (greedy, t0.7 or t1.0: the answers' temperature), `turns`, `answer_tokens` (the target's
    tokens in `ids`). Its requests: the shard's training Magpie requests, and STDLIB_PER_SHARD
    standard-library prompts (`prompts.py`, the default system prompt) taken from the end of
    `generate.py`'s order backwards, so that the two scripts do not answer the same prompts soon.
 
+Without a system prompt the target seldom ends a request it writes (most run past MAX_PROMPT_TOKENS),
+so half of the requests written under the default system prompt (by hash) are answered without one.
 Answer modes by a hash of the request: half greedy, a quarter each at temperature 0.7 and 1.0 (top-p
 1), as EAGLE-3 data are regenerated at the temperatures users serve. A Magpie conversation is given
 a second turn (one in SECOND_TURN_EVERY, by hash) when the first answer ended and the whole fits
@@ -80,8 +83,9 @@ def answer_shard(engine, tokenizer, ordered: list, index: int) -> list[dict]:
     for i, r in enumerate(magpie.read_jsonl(magpie.prompts_path(index))):
         if r["split"] == "train":
             mode, temperature = mode_of(r["text"])
-            conversations.append({"source": "magpie", "system": r["system"], "mode": mode, "temperature": temperature,
-                                  "ids": magpie.prompt_ids(tokenizer, r["system"], r["text"]),
+            system = "none" if r["system"] == "default" and _hash(r["text"], "system") % 2 else r["system"]
+            conversations.append({"source": "magpie", "system": system, "written_under": r["system"], "mode": mode,
+                                  "temperature": temperature, "ids": magpie.prompt_ids(tokenizer, system, r["text"]),
                                   "second": _hash(r["text"], "turn") % SECOND_TURN_EVERY == 0, "seed": i})
     for j, (key, kind, ids) in enumerate(stdlib_prompts(tokenizer, ordered, index)):
         mode, temperature = mode_of(key)
@@ -114,7 +118,7 @@ def answer_shard(engine, tokenizer, ordered: list, index: int) -> list[dict]:
                 again.append(c)
     if again:
         answer(again, 700_000)
-    keep = ("source", "system", "mode", "turns", "answer_tokens", "kind", "key", "ids")
+    keep = ("source", "system", "written_under", "mode", "turns", "answer_tokens", "kind", "key", "ids")
     return [{k: c[k] for k in keep if k in c} for c in conversations]
 
 
