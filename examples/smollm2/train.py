@@ -3,7 +3,9 @@
     python examples/smollm2/train.py [--minutes 60] [--total-steps 3000]   # resumes from models/
 
 Data: every training prompt of `prompts.py` whose answer `generate.py` has written, as the served
-conversation (chat template, default system prompt, the user turn, the target's greedy answer).
+conversation (chat template, default system prompt, the user turn, the target's greedy answer), and
+every conversation `generate_chat.py` has written (Magpie and standard-library requests, greedy and
+sampled answers, some of two turns).
 Conversations are packed into windows that start at a conversation boundary, of 512, 1024 or 2048
 tokens (TOKENS_PER_STEP tokens a step), so positions beyond 2048 are never trained.
 
@@ -40,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import prompts as prompt_builder  # noqa: E402
 from generate import TARGET, chat_ids, chunk_prompts, done_chunks, shard_path  # noqa: E402
+from generate_chat import answers_path, done_shards  # noqa: E402
 
 from eagle31_export.config import DrafterConfig, default_aux_layer_ids  # noqa: E402
 from eagle31_export.formats.pair import read_pair  # noqa: E402
@@ -96,6 +99,9 @@ def answered_conversations(tokenizer) -> list[list[int]]:
             raise SystemExit(f"{shard_path(index)}: its records are not chunk {index}'s prompts; "
                              "was it written by another prompts.py? Delete it and rerun generate.py")
         conversations += [ids + r["answer"] for (_, ids), r in zip(prompts, records)]
+    for index in range(done_shards()):  # generate_chat.py's conversations: stored whole, as token ids
+        with gzip.open(answers_path(index), "rt") as f:
+            conversations += [json.loads(line)["ids"] for line in f]
     return conversations
 
 
