@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(not (SMOLLM2 / TARGET / "config.json").is_file()
                                 reason="the real pair's target is made by `make smollm2-target` (make test does)")
 
 
+@pytest.mark.engine  # minutes: the real pair's reference over five prompt sets, so `make test-quick` leaves it out
 def test_the_demo_measures_and_renders_the_pairs_claims_prompts(tmp_path):
     from eagle31_export.cli.demo_cmd import _claims_table
 
