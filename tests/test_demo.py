@@ -11,6 +11,7 @@ import pytest
 pytestmark = pytest.mark.engine
 
 
+# its own engines: the demo starts and stops what it runs on (vLLM, Triton) as a user runs it
 def test_demo_writes_every_artifact_and_a_passing_parity_report(cli, tmp_path):
     out = tmp_path / "demo"
     code, stdout, err = cli("demo", "--out", out)

@@ -37,7 +37,7 @@ def random_weights(drafter: Path, out: Path) -> Path:
     return write_drafter(DrafterCheckpoint(ckpt.config, tensors), out, "specforge")
 
 
-@pytest.mark.engine
+@pytest.mark.engine  # its own engine: the command end to end, its exit status 3 included
 def test_a_pair_whose_reference_accepts_nothing_is_inconclusive_on_vllm(cli, tmp_path, monkeypatch):
     """Random drafter weights against the tiny target, served by a real vLLM engine that loads our plugins
     but not the draft log (VLLM_PLUGINS, vLLM's own list of the plugins it loads; tokens and acceptance

@@ -219,6 +219,7 @@ def url_server(vllm_servers):
     return served(vllm_servers, DRAFTER31)
 
 
+# its own engine: the command's local engine (`parity BUNDLE --vllm VENV`) is what it compares with a server
 def test_cli_local_engine_and_url_give_the_same_report(vllm, tmp_path, url_server):
     """`parity BUNDLE --runtime vllm --vllm VENV` starts and stops its own engine; the same bundle
     served by a separately started server and reached with --url gives the same report, but for how
@@ -361,6 +362,7 @@ def shipped_chunk_tail_server(vllm_servers):
                   env=(("EAGLE31_VLLM_KEEP_CHUNK_TAIL", "1"),))
 
 
+# its own engine: the command's local engine started with --max-num-batched-tokens
 def test_chunked_prefill_with_the_plugin_fix_passes(vllm, tmp_path):
     """`parity --runtime vllm --max-num-batched-tokens 16 --repeat 1`: a local engine that prefills every
     prompt (260-320 tokens) in 16-token chunks, with our plugin's fix of the drafter's token at a chunk's
@@ -558,6 +560,7 @@ def _assert_one_line(code, out, err, *needles):
         assert needle in lines[0], lines[0]
 
 
+# its own engines: faults at a local engine's start (a port in use, a timeout, a refused target)
 def test_bad_input_is_one_line_and_leaves_no_process(vllm, tmp_path):
     bundle = bundle_of(tmp_path, DRAFTER31)
     # no vLLM in the named environment (ours has none)
@@ -596,6 +599,7 @@ def test_bad_input_is_one_line_and_leaves_no_process(vllm, tmp_path):
                           "--url", f"http://127.0.0.1:{_free_port()}"), "is the server running")
 
 
+# its own engine: one vLLM refuses while loading (a fault at start)
 def test_a_bundle_vllm_refuses_is_its_own_message_in_one_line(vllm, tmp_path):
     """vLLM refuses this drafter while loading it (its fc does not fit the declared taps); the engine
     dies before it is ready, and the command says vLLM's reason in one line and leaves nothing running."""

@@ -43,6 +43,7 @@ def _parity(vllm, bundle, drafter, target, lengths, per_length=1):
                         context=lengths, per_length=per_length)
 
 
+# own engines: each local engine is sized to its run's longest context (`--context`), one bundle each
 @pytest.mark.parametrize("drafter, rope, lengths", [("drafter-eagle31", "yarn", (1024, 4096, 16384)),
                                                     ("drafter-eagle3", "llama3", (1024, 4096, 8192))])
 def test_long_context_parity_is_exact_on_vllm(vllm, tmp_path, long_pairs, drafter, rope, lengths):

@@ -91,6 +91,7 @@ def test_compressed_tensors_targets_in_fp32_differ_by_fp4_rounding_ties_only(vll
     assert_not_vacuous(report)
 
 
+# its own engines: the local engine parity starts, whose FP4 activations the report takes as set
 @pytest.mark.parametrize("name", ["modelopt", "quantized-modelopt"])
 def test_modelopt_targets_differ_by_numerical_ties_only_in_bf16(vllm, targets, name):
     """The documented command, no activation flag: vLLM's CPU build feeds FP4 activations to every NVFP4
@@ -143,6 +144,7 @@ def test_w4a4_reference_ignoring_input_scale_fails_on_the_target(vllm, vllm_serv
     assert any(TARGET_SYMPTOM in f for f in report.failures), report.failures
 
 
+# its own engine: vLLM's offline LLM over damaged checkpoints (one refuses to load)
 def test_what_vllm_does_with_a_damaged_checkpoint(vllm, tmp_path):
     """Checkpoint sabotages both sides would read alike (inspect and every loader of ours refuse them:
     tests/test_target_nvfp4_errors.py). vLLM 0.32: global scales written as their reciprocals load and

@@ -28,6 +28,7 @@ from test_vllm_engine import DRAFTER31, TARGET, _assert_one_line, cli, parity, v
 pytestmark = pytest.mark.engine
 
 
+# its own engine: a start-up option no other test serves with (--max-num-seqs 1, development endpoints)
 @pytest.fixture(scope="module")
 def serial_bf16(vllm, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-serial")

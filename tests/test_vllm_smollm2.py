@@ -5,7 +5,8 @@ trained for it (examples/smollm2), served by vLLM's CPU build, fp32, greedy, on 
 Both faithful bundles are exact; the two silent bugs that a 3.0/3.1 mix-up writes (the feedback's
 norm mixed up, taps shifted by one) run without a word and fail with their symptoms; the NVFP4 target
 `quantize` writes (compressed-tensors) is exact too, but for ties its measured error explains. One
-engine per bundle: five in all.
+engine per bundle, five in all, from the suite's shared servers (tests/vllm_servers.py), reached by URL
+with their draft log.
 
 The comparisons are asked to have seen accepted drafts at every position, so a later-position bug
 (the feedback's) has something to show on.
@@ -21,12 +22,12 @@ from pathlib import Path
 import pytest
 
 from eagle31_export.errors import UserError
-from eagle31_export.export.vllm import export_vllm
 from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
 from eagle31_export.formats.target.quantize import quantize_checkpoint
 from eagle31_export.parity.compare import LATER_POSITIONS, POSITION_1
 from eagle31_export.parity.sides import check_parity
 from eagle31_export.runtime.vllm_engine import find_vllm
+from vllm_servers import Serving
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "examples" / "smollm2" / "models"
@@ -66,8 +67,11 @@ def prompts_file(tmp_path_factory) -> Path:
     return path
 
 
-def parity(vllm, bundle: Path, drafter: Path, prompts_file: Path, target: Path = TARGET):
-    return check_parity("vllm", bundle, drafter, target, None, prompts_file, 3, 32, runtime_options={"vllm": vllm})
+def parity(vllm, vllm_servers, served: Path, drafter: Path, prompts_file: Path, target: Path = TARGET):
+    """The suite's shared server of `served`'s bundle, against the reference of `drafter`."""
+    server = vllm_servers.get(Serving(served, target))
+    return check_parity("vllm", None, drafter, target, server.url, prompts_file, 3, 32,
+                        runtime_options=server.runtime_options(vllm))
 
 
 def assert_exact(report, ties_allowed: bool = False) -> None:
@@ -80,32 +84,30 @@ def assert_exact(report, ties_allowed: bool = False) -> None:
 
 
 @pytest.mark.parametrize("drafter", [DRAFTER31, DRAFTER3], ids=["eagle31", "eagle3"])
-def test_faithful_bundles_are_exact_on_vllm(vllm, tmp_path, prompts_file, drafter):
-    bundle = export_vllm(drafter, TARGET, tmp_path / "bundle")
-    report = parity(vllm, bundle, drafter, prompts_file)
+def test_faithful_bundles_are_exact_on_vllm(vllm, vllm_servers, prompts_file, drafter):
+    report = parity(vllm, vllm_servers, drafter, drafter, prompts_file)
     assert_exact(report)
     assert report.tau("runtime") == report.tau("reference") > 1.0
 
 
 @pytest.mark.parametrize("bug, symptom", [("norm_output", LATER_POSITIONS), ("taps", POSITION_1)])
-def test_silent_bugs_fail_on_vllm_with_their_symptom(vllm, tmp_path, prompts_file, bug, symptom):
+def test_silent_bugs_fail_on_vllm_with_their_symptom(vllm, vllm_servers, tmp_path, prompts_file, bug, symptom):
     """What a buggy exporter writes (a valid bundle over broken content): vLLM serves it without a
     word; parity against the faithful drafter fails and names where. norm_output: the EAGLE 3.1
     drafter exported as if it fed back the pre-norm state (a 3.1 drafter read as 3.0)."""
     ckpt = read_drafter(DRAFTER31)
     broken = pre_norm_feedback(ckpt) if bug == "norm_output" else shift_aux_ids(ckpt, LAYERS)
     source = write_drafter(broken, tmp_path / bug, "specforge")
-    report = parity(vllm, export_vllm(source, TARGET, tmp_path / "bundle"), DRAFTER31, prompts_file)
+    report = parity(vllm, vllm_servers, source, DRAFTER31, prompts_file)
     assert not report.passed
     assert any(symptom in f for f in report.failures), report.failures
 
 
-def test_quantized_nvfp4_target_is_exact_on_vllm(vllm, tmp_path, prompts_file):
+def test_quantized_nvfp4_target_is_exact_on_vllm(vllm, vllm_servers, tmp_path, prompts_file):
     """`quantize` (compressed-tensors) on the real target: vLLM's CPU build computes it, FP4 activations
     included, as the reference does (learned from the engine, no flag)."""
     quantized = quantize_checkpoint(TARGET, tmp_path / "target-nvfp4", "compressed-tensors").out
-    report = parity(vllm, export_vllm(DRAFTER31, quantized, tmp_path / "bundle"), DRAFTER31, prompts_file,
-                    target=quantized)
+    report = parity(vllm, vllm_servers, DRAFTER31, DRAFTER31, prompts_file, target=quantized)
     assert_exact(report, ties_allowed=True)
     assert report.activations["fp4"], report.activations
     assert json.loads((quantized / "config.json").read_text())["quantization_config"]["format"]

@@ -26,6 +26,7 @@ def speculators31(tmp_path_factory):
     return write_speculators_31(TINY, DRAFTER31, TARGET, tmp_path_factory.mktemp("speculators31") / "drafter")
 
 
+# its own engines: the test edits the exported bundle itself and serves each state of it locally
 def test_speculators_31_runs_exactly_on_vllm_and_fails_without_norm_before_fc(vllm, tmp_path, speculators31):
     """inspect names the layout; `export vllm` keeps norm_before_fc (and its one norm over fc's input); vLLM
     runs it exactly like the reference. The same bundle with norm_before_fc dropped (flag and weight, as a
