@@ -47,8 +47,10 @@ from eagle31_export.reference.speculate import SpecResult, Top
 
 TOP_MEASURED = 16  # candidates whose shifts give a decision's error scale
 TIE_ERRORS = 5.0  # a tie: within this many measured errors (benchmarks/verdict_power.py; docs/runtimes.md, "Why TIE_ERRORS = 5")
-# a runtime's margin shifts against the measured error's, for the budget (benchmarks/runtime_error_ratio.py)
-RUNTIME_ERROR_RATIO = 2.0
+# a runtime's margin shifts against the measured error's, for the budget: benchmarks/runtime_error_ratio.py
+# --runs 20 fits 1.70 (drafts compared) and 1.74 (accepted counts only) on our bf16 runtime; the larger,
+# rounded up to 0.05
+RUNTIME_ERROR_RATIO = 1.75
 BUDGET_ALPHA = 1e-3  # a faithful runtime exceeds the tie budget at most this often (under the model)
 MIN_ERROR = 1e-12  # an error scale of exactly 0 (identical candidates) stays a scale
 # Against an fp32 runtime that quantizes activations to FP4: the float64 replay rounds every activation
