@@ -4,6 +4,7 @@ and by prompt format for both drafters, drawn and rendered (a few of the committ
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,20 @@ from eagle31_export.demo.run import CLAIMS_FILE, _claims
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / "examples" / "smollm2" / "models"
-pytestmark = pytest.mark.skipif(not (SMOLLM2 / TARGET / "config.json").is_file(),
-                                reason="the real pair's target is made by `make smollm2-target` (make test does)")
+HAVE_TARGET = (SMOLLM2 / TARGET / "config.json").is_file()
+
+
+def _required(what: str) -> None:
+    """Missing here: a failure under the suite's EAGLE31_REQUIRE_VLLM=1 (`make test` builds it), else a skip."""
+    if os.environ.get("EAGLE31_REQUIRE_VLLM") == "1":
+        pytest.fail(f"required here (EAGLE31_REQUIRE_VLLM=1): {what}")
+    pytest.skip(what)
+
+
+@pytest.fixture(autouse=True)
+def _real_pair():
+    if not HAVE_TARGET:
+        _required("the real pair's target is made by `make smollm2-target` (make test does)")
 
 
 def test_the_demo_measures_and_renders_the_pairs_claims_prompts(tmp_path):
