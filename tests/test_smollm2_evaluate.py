@@ -24,8 +24,8 @@ def _required(what: str) -> None:
     pytest.skip(what)
 
 
-@pytest.fixture(autouse=True)
-def _real_pair():
+@pytest.fixture(scope="module", autouse=True)
+def _real_pair():  # before the module's other fixtures
     if not HAVE_TARGET:
         _required("the real pair's target is made by `make smollm2-target` (make test does)")
 
