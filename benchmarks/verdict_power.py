@@ -4,7 +4,7 @@ parity/ties.py) and, beside it, under the old constant tie gaps (1e-4 fp32, 0.25
 FP4 activations; no tie budget).
 
     .venv/bin/python benchmarks/verdict_power.py --quick          # a few minutes on 2 cores
-    .venv/bin/python benchmarks/verdict_power.py --runs 20 --sampled-runs 100   # docs/runtimes.md's table
+    .venv/bin/python benchmarks/verdict_power.py --runs 300 --sampled-runs 100   # full counts: hours
 
 One invocation prints the whole table and the distributions below it from the same records: every
 cell it measured, and every run `--records` already held for the cells asked.
