@@ -1,11 +1,13 @@
-"""Verdict power: how often greedy parity fails a sabotaged drafter (detection) and passes a faithful
-one (false alarms), per precision, under the measured tie rule (parity/numerics.py, parity/ties.py)
-and, beside it, under the old constant tie gaps (1e-4 fp32, 0.25 bf16, 1.0 bf16 with FP4 activations;
-no tie budget).
+"""Verdict power: how often parity fails a sabotaged pair (detection) and passes a faithful one (false
+alarms), per precision, greedy and sampled, under the measured tie rule (parity/numerics.py,
+parity/ties.py) and, beside it, under the old constant tie gaps (1e-4 fp32, 0.25 bf16, 1.0 bf16 with
+FP4 activations; no tie budget).
 
     .venv/bin/python benchmarks/verdict_power.py --quick          # a few minutes on 2 cores
-    .venv/bin/python benchmarks/verdict_power.py --runs 300 --records out/verdict_power \
-        --precision fp32 --precision bf16 --precision "bf16+FP4 act"   # docs/runtimes.md's table (hours)
+    .venv/bin/python benchmarks/verdict_power.py --runs 300 --sampled-runs 100   # full counts: hours
+
+One invocation prints the whole table and the distributions below it from the same records: every
+cell it measured, and every run `--records` already held for the cells asked.
 
 The runtime is our own: the reference pair's loop (`--runtime reference`) computing at the precision
 (fp32; bf16; bf16 or fp32 with FP4 activations on the NVFP4 target; the last also without the
@@ -55,9 +57,15 @@ import torch
 from eagle31_export.demo.pair import DRAFTERS, TARGET, TARGET_NVFP4, EmbeddedPair
 from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
 from eagle31_export.formats.nvfp4.model import NVFP4Linear
-from eagle31_export.parity.compare import ParityReport, Thresholds, _failures, _summarize, compare_prompt
-from eagle31_export.parity.numerics import K, measurer_for
+from eagle31_export.parity.compare import (
+    ParityReport, Thresholds, _failures, _greedy_drafts, _judge_with, _replayed_sampled, _summarize, compare_prompt,
+)
+from eagle31_export.parity.mixed_batches import check_mixed_batches
+from eagle31_export.parity.numerics import TIE_ERRORS, measurer_for
+from eagle31_export.parity.sampling import GreedyDrafts, check_sampled
 from eagle31_export.parity.ties import divergences
+from eagle31_export.progress import Phases
+from eagle31_export.reference.speculate import Sampling
 from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +106,18 @@ SABOTAGES.update({name: SABOTAGES["faithful"] for name in TARGET_SABOTAGES})  # 
 OLD_GAPS = {"fp32": 1e-4, "bf16": 0.25, "bf16+FP4 act": 1.0, "fp32+FP4 act": 1e-4, NO_BAND: 1e-4}
 DEPTH = 3
 
+# Sampled runs (greedy-drafts, as vLLM samples) and mixed batches (greedy requests among sampled ones, C = 8),
+# in bf16 on the BF16 target, where the old constant gap was 0.25: their cells and sabotages.
+SAMPLING = Sampling(0.7, rule="greedy-drafts")
+MIXED_C = 8
+SAMPLED = {"bf16 sampled": "sampled", "bf16 mixed C 8": "mixed"}
+FOLLOWS = "greedy follows sampled"  # the engine samples a mixed batch's greedy requests by the others' parameters
+SAMPLED_SABOTAGES = {"sampled": ("faithful", "taps shifted", "fc x 1.05"), "mixed": ("faithful", FOLLOWS, "fc x 1.05")}
+SABOTAGES[FOLLOWS] = SABOTAGES["faithful"]  # the drafter as it is; the engine's batch sampling is sabotaged
+for _name in SAMPLED:
+    PRECISIONS[_name] = (torch.bfloat16, False, TARGET)
+    OLD_GAPS[_name] = OLD_GAPS["bf16"]
+
 
 def old_rule_fails(ref, run, gap: float, drafts_reported: bool) -> bool:
     """The constant rule this replaces: a difference is a tie when the reference's token gap or top-2
@@ -118,12 +138,72 @@ def old_rule_fails(ref, run, gap: float, drafts_reported: bool) -> bool:
     return False
 
 
+def follow_sampled(runtime, sampling: Sampling) -> None:
+    """A runtime whose batch sampling applies the sampled requests' parameters to every request (vLLM's
+    CPU build as shipped, vllm#55005): a greedy request among sampled ones samples too."""
+    inner = runtime.run_concurrently
+
+    def run_concurrently(prompts, max_new_tokens, depth, concurrency, temperature=0.0, seed=0):
+        every = [sampling] * len(temperature) if isinstance(temperature, list) else temperature
+        return inner(prompts, max_new_tokens, depth, concurrency, every, seed)
+    runtime.run_concurrently = run_concurrently
+
+
+def sampled_run(reference, runtime, measurer, prompts, tokens: int, name: str, seed: int, tie_errors: float):
+    """One sampled run (parity/compare.py: compare_sampled's steps): ([new fails, None, old fails, None],
+    prompts, ties) under the measured rule and under the old constant gap (no budget)."""
+    thresholds = Thresholds(tie_errors=tie_errors)
+    replays, errors = [], []
+    for i, prompt in enumerate(prompts):
+        run = runtime.run(prompt, tokens, DEPTH, SAMPLING, seed + i)
+        rounds, measured = _replayed_sampled(reference, measurer, prompt, run, SAMPLING)
+        replays.append(rounds)
+        errors.append(measured)
+    judged = _judge_with(reference, prompts, measurer, True, tie_errors)
+    new = check_sampled(replays, DEPTH, errors, tie_errors, thresholds.sampled_alpha, SAMPLING.rule,
+                        precision=measurer.precision)
+    old = check_sampled(replays, DEPTH, [[[OLD_GAPS[name] / tie_errors] * len(r.margins) for r in rounds]
+                                         for rounds in replays], tie_errors, thresholds.sampled_alpha, SAMPLING.rule)
+    old.budget.observed = 0  # the old rule had no budget
+    if new.wants_greedy or old.wants_greedy:
+        greedy = _greedy_drafts(runtime, prompts, DEPTH, tokens, seed, judged, Phases.of(None))
+        new.greedy = greedy if new.wants_greedy else None
+        if old.wants_greedy:
+            old.greedy = _old_greedy(reference, runtime, prompts, tokens, seed, OLD_GAPS[name])
+    return [bool(new.failures()), None, bool(old.failures()), None], len(prompts), new.budget.observed
+
+
+def _old_greedy(reference, runtime, prompts, tokens: int, seed: int, gap: float) -> GreedyDrafts:
+    """The greedy check as the old rule judged it: drafts and tokens within the constant gap."""
+    untied = []
+    for i, prompt in enumerate(prompts):
+        run = runtime.run(prompt, tokens, DEPTH, 0.0, seed + i)
+        if old_rule_fails(reference.replay(prompt, run), run, gap, True):
+            untied.append(f"prompt {i}")
+    return GreedyDrafts(len(prompts), 1, 0, untied)
+
+
+def mixed_run(reference, runtime, measurer, prompts, tokens: int, name: str, seed: int, tie_errors: float):
+    """One mixed-batch run at C = MIXED_C (parity/mixed_batches.py): ([new fails, None, old fails, None],
+    prompts, ties); the old rule judged each greedy request within the constant gap, on accepted counts."""
+    judged = _judge_with(reference, prompts, measurer, False, tie_errors)
+    results = {}
+
+    def keep(i, run):  # the runs the verdict judged, for the old rule
+        results[i] = run
+        return judged(i, run)
+    rows, failures = check_mixed_batches(runtime, prompts, DEPTH, tokens, SAMPLING, seed, (1, MIXED_C), keep)
+    old = any(old_rule_fails(reference.replay(prompts[i], run), run, OLD_GAPS[name], False)
+              for i, run in results.items())
+    return [bool(failures), None, old, None], len(prompts), sum(len(r.ties) for r in rows)
+
+
 def one_run(reference, runtime, measurer, prompts, tokens: int, fp4: bool, name: str, ratios: list, k: float):
     """(new verdict fails with drafts, new fails on counts only, old fails with drafts, old on counts), and
     the prompts it compared. The run stops early once all four have failed for good: an untied
     difference fails a report whatever its other prompts hold (parity/compare.py: _failures), and the
     old rule has no budget, so the verdicts are those of the whole run."""
-    thresholds = Thresholds(fp4_activations=fp4)
+    thresholds = Thresholds(fp4_activations=fp4, tie_errors=k)
     reports = {seen: ParityReport("reference", DEPTH, 0.0, reference.exact and runtime.exact, thresholds, "replay",
                                   drafts_reported=seen) for seen in (True, False)}
     old = {True: False, False: False}
@@ -132,7 +212,8 @@ def one_run(reference, runtime, measurer, prompts, tokens: int, fp4: bool, name:
         ref, measured = measurer.replay(reference, prompt, run)
         for seen, report in reports.items():
             shown = run if seen else type(run)(run.tokens, [], run.accepted_per_step, run.depth)
-            report.rows.append(compare_prompt(i, prompt, ref, shown, None, 1.0, seen, measured=measured, k=k))
+            report.rows.append(compare_prompt(i, prompt, ref, shown, None, 1.0, seen, measured=measured,
+                                              tie_errors=k))
             old[seen] |= old_rule_fails(ref, shown, OLD_GAPS[name], seen)
             if seen:
                 ratios += [d.gap / d.error for d in divergences(ref, shown, measured, k, shown.drafts) or []
@@ -149,7 +230,7 @@ def one_run(reference, runtime, measurer, prompts, tokens: int, fp4: bool, name:
 
 def bound(hits: int, n: int, detection: bool) -> str:
     """The one-sided 95 % bound on the rate: lower for detection, upper for false alarms (exact binomial)."""
-    if n == 0:
+    if n == 0 or hits is None:
         return "-"
     target = hits if detection else n - hits  # count the "good" outcomes
     lo = 0.0 if target == 0 else _clopper_lower(target, n)
@@ -197,13 +278,13 @@ def unseen_texts() -> list[str]:
     return [f.read_text(encoding="utf-8", errors="replace") for f in files]
 
 
-def read_records(folder: Path, k: float = K) -> list[dict]:
+def read_records(folder: Path, k: float = TIE_ERRORS) -> list[dict]:
     """The runs judged at tie factor `k`: those measured at it, and those measured at a larger one whose
     verdicts provably stand at `k` (`at_k`); per run, one measured at `k` itself first."""
     found: dict[tuple, dict] = {}
     for f in sorted(folder.glob("*.jsonl")):
         for line in f.read_text().splitlines():
-            record = at_k(json.loads(line), k) if line else None
+            record = at_tie_errors(json.loads(line), k) if line else None
             key = record and (record["precision"], record["sabotage"], record["prompts"], record["tokens"],
                               record["run"])
             if record is not None and (key not in found or "carried_from" in found[key]):
@@ -211,24 +292,33 @@ def read_records(folder: Path, k: float = K) -> list[dict]:
     return list(found.values())
 
 
-def at_k(record: dict, k: float) -> dict | None:
-    """`record` judged at tie factor `k`, or None where only running it again tells. Lowering K only
+def at_tie_errors(record: dict, k: float) -> dict | None:
+    """`record` judged at tie factor `k` (TIE_ERRORS), or None where only running it again tells. Lowering it only
     turns ties into failures (parity/ties.py), never the other way, and the tie budget does not read it:
     a verdict that failed at the record's K fails at `k`, and one that passed stands where no difference
     of the run lay beyond `k` measured errors (`max_ratio`, from the run's drafts-compared judgement,
     whose gaps bound the counts-only judgement's: that one's runner-up stands below the runtime's own
     draft). The old rule does not read K."""
-    was = record.get("k", 6.0)  # the runs before K was recorded were judged at K = 6
+    was = record.get("tie_errors", record.get("k", 6.0))  # the runs before it was recorded were judged at 6
     if was == k:
         return record
+    if record["precision"] in SAMPLED:
+        return None  # sampled runs' verdicts are not carried: judged again
     largest = record.get("max_ratio", max(record["ratios"], default=0.0) if "ratios" in record else None)
     if was < k or (not all(record["verdicts"][:2]) and (largest is None or largest > k)):
         return None
-    return {**record, "k": k, "carried_from": was}
+    return {**record, "tie_errors": k, "carried_from": was}
 
 
 def measure_cell(name: str, sabotage: str, runs: int, args, prompts, done: set, out_file: Path, tmp: Path) -> None:
     dtype, fp4, target_name = PRECISIONS[name]
+    mode = SAMPLED.get(name)
+    if mode is not None:
+        runs = args.sampled_runs
+        if sabotage not in SAMPLED_SABOTAGES[mode]:
+            return
+    elif sabotage == FOLLOWS:
+        return
     todo = [r for r in range(runs) if (name, sabotage, args.prompts, args.tokens, r) not in done]
     if not todo or (sabotage in TARGET_SABOTAGES and target_name != TARGET_NVFP4):
         return
@@ -244,17 +334,29 @@ def measure_cell(name: str, sabotage: str, runs: int, args, prompts, done: set, 
     runtime = load_speculator("reference", PairSource.of(drafter, target), LoadOptions(dtype=dtype, act_quant=fp4))
     if sabotage in TARGET_SABOTAGES:
         TARGET_SABOTAGES[sabotage](runtime.target.model)
+    if sabotage == FOLLOWS:
+        follow_sampled(runtime, SAMPLING)
     faithful = sabotage == "faithful"
     with out_file.open("a") as out:
         for r in todo:
-            start, ratios = time.perf_counter(), []
+            start, ratios, ties = time.perf_counter(), [], None
             measurer.measured.clear()
-            verdicts, compared = one_run(reference, runtime, measurer, prompts[r * args.prompts:(r + 1) * args.prompts],
-                                         args.tokens, fp4, name, ratios, args.k)
+            window = prompts[r * args.prompts:(r + 1) * args.prompts]
+            if mode == "sampled":
+                verdicts, compared, ties = sampled_run(reference, runtime, measurer, window, args.tokens, name,
+                                                       r * args.prompts, args.tie_errors)
+            elif mode == "mixed":
+                verdicts, compared, ties = mixed_run(reference, runtime, measurer, window, args.tokens, name,
+                                                     r * args.prompts, args.tie_errors)
+            else:
+                verdicts, compared = one_run(reference, runtime, measurer, window, args.tokens, fp4, name, ratios,
+                                             args.tie_errors)
             record = {"precision": name, "sabotage": sabotage, "prompts": args.prompts, "tokens": args.tokens,
-                      "run": r, "k": args.k, "verdicts": verdicts, "compared": compared,
+                      "run": r, "tie_errors": args.tie_errors, "verdicts": verdicts, "compared": compared,
                       "seconds": round(time.perf_counter() - start, 2),
                       "max_ratio": round(max(ratios, default=0.0), 3)}
+            if ties is not None:
+                record["ties"] = ties
             if faithful:
                 record["z"] = [round(v, 3) for m in measurer.measured for v in m.z]
                 record["ratios"] = [round(v, 3) for v in ratios]
@@ -273,10 +375,10 @@ def print_table(records: list[dict], args) -> None:
             if not cell:
                 continue
             n, faithful = len(cell), sabotage == "faithful"
-            counts = [sum(r["verdicts"][i] for r in cell) for i in range(4)]
+            counts = [None if cell[0]["verdicts"][i] is None else sum(r["verdicts"][i] for r in cell) for i in range(4)]
             z_all += [v for r in cell for v in r.get("z", [])]
             ratios += [v for r in cell for v in r.get("ratios", [])]
-            shown = [f"{c}/{n}" for c in counts]
+            shown = ["-" if c is None else f"{c}/{n}" for c in counts]
             print(f"{name:17} {sabotage:20} {n:4d} | {shown[0]:>11} {bound(counts[0], n, not faithful):>9} "
                   f"{shown[1]:>11} {bound(counts[1], n, not faithful):>9} | {shown[2]:>11} {shown[3]:>11} | "
                   f"{sum(r['compared'] for r in cell) / n:7.1f} {sum(r['seconds'] for r in cell):6.0f} "
@@ -284,7 +386,10 @@ def print_table(records: list[dict], args) -> None:
     print("(failing runs out of runs: detections for a sabotage, false alarms for the faithful drafter; the bound is "
           "the one-sided 95 % lower bound of detection, upper bound of false alarms; prompts: the mean compared a "
           "run, less than a run's prompts where all four verdicts had failed for good before its last; carried: runs "
-          f"measured at a larger K whose verdicts stand at K = {args.k:g}, read_records)")
+          f"measured at a larger factor whose verdicts stand at TIE_ERRORS = {args.tie_errors:g}, read_records; sampled: "
+          f"greedy-drafts at T {SAMPLING.temperature:g}, (a) drafts exact and (b) the acceptance law, the greedy "
+          f"check where asked; mixed: C = {MIXED_C}, even prompts greedy among odd sampled ones, each greedy request "
+          "judged on accepted counts; '-': no counts-only verdict there)")
     for label, xs in (("z = |top-2 margin shift| / e, faithful decisions", z_all),
                       ("faithful differences' margin / e", ratios)):
         xs = sorted(xs)
@@ -304,27 +409,34 @@ def main() -> None:
     parser.add_argument("--sabotage", action="append", choices=list(SABOTAGES))
     parser.add_argument("--records", type=Path, help="a folder of run records (JSONL) to resume and add to; "
                         "several processes may share it (one file each); default: a temporary one")
-    parser.add_argument("--k", type=float, default=K, help=f"the tie factor to judge at (parity's: {K:g})")
+    parser.add_argument("--tie-errors", type=float, default=TIE_ERRORS,
+                        help=f"the tie factor, in measured errors, to judge at (parity's TIE_ERRORS: {TIE_ERRORS:g})")
+    parser.add_argument("--sampled-runs", type=int, default=None,
+                        help="runs per sampled and mixed-batch cell (default: --runs)")
     parser.add_argument("--table", action="store_true", help="print the table of --records only, run nothing")
     args = parser.parse_args()
     runs = 5 if args.quick else args.runs
+    args.sampled_runs = 5 if args.quick else (args.sampled_runs or runs)
+    most = max(runs, args.sampled_runs) if any(p in SAMPLED for p in args.precision or PRECISIONS) else runs
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.records or Path(tmp) / "records"
         folder.mkdir(parents=True, exist_ok=True)
         if not args.table:
-            prompts = prompt_windows(args.tokens, runs * args.prompts)
-            if runs * args.prompts > len(prompts):
-                sys.exit(f"{runs} runs of {args.prompts} prompts need {runs * args.prompts} distinct windows; the "
+            prompts = prompt_windows(args.tokens, most * args.prompts)
+            if most * args.prompts > len(prompts):
+                sys.exit(f"{most} runs of {args.prompts} prompts need {most * args.prompts} distinct windows; the "
                          f"held-out and unseen text has {len(prompts)}: fewer --runs or --prompts")
-            print(f"{runs} runs a cell, {args.prompts} distinct held-out prompts a run ({len(prompts)} windows of "
-                  f"{CONTEXT} tokens), {args.tokens} tokens, depth {DEPTH}, K = {args.k:g}", flush=True)
-            done = {(r["precision"], r["sabotage"], r["prompts"], r["tokens"], r["run"]) for r in read_records(folder, args.k)}
+            print(f"{runs} runs a greedy cell, {args.sampled_runs} a sampled or mixed-batch cell, {args.prompts} "
+                  f"distinct held-out prompts a run ({len(prompts)} windows of {CONTEXT} tokens), {args.tokens} "
+                  f"tokens, depth {DEPTH}, TIE_ERRORS = {args.tie_errors:g}", flush=True)
+            done = {(r["precision"], r["sabotage"], r["prompts"], r["tokens"], r["run"])
+                    for r in read_records(folder, args.tie_errors)}
             out_file = folder / f"{os.getpid()}.jsonl"
             for name in args.precision or PRECISIONS:
                 for sabotage in args.sabotage or SABOTAGES:
                     measure_cell(name, sabotage, runs, args, prompts, done, out_file, Path(tmp))
-        print_table(read_records(folder, args.k), args)
+        print_table(read_records(folder, args.tie_errors), args)
 
 
 if __name__ == "__main__":

@@ -99,9 +99,13 @@ def test_the_bound_is_tau_for_a_free_drafter_and_falls_as_drafting_costs():
     assert deeper == sorted(deeper, reverse=True)
 
 
-def test_the_measured_bandwidth_is_a_rate():
-    bytes_per_s = bound.measure_bandwidth(gib=1 / 64, repeats=2)
-    assert 1e8 < bytes_per_s < 1e13  # 0.1 GB/s .. 10 TB/s: a rate, not seconds or bytes
+def test_the_measured_bandwidth_is_the_bytes_read_over_the_best_time(monkeypatch):
+    """Three timed reads of 1/64 GiB taking 0.5, 0.25 and 0.4 s (a clock that says so): the rate is the
+    tensor's bytes over the fastest, 2^24 / 0.25 B/s, not the slowest, the mean, or the bytes of a
+    wrongly sized tensor."""
+    clock = iter([0.0, 0.5, 10.0, 10.25, 20.0, 20.4])
+    monkeypatch.setattr(bound.time, "perf_counter", lambda: next(clock))
+    assert bound.measure_bandwidth(gib=1 / 64, repeats=3) == pytest.approx((1 << 30) / 64 / 0.25)
 
 
 def test_speedup_names_an_example_pair_and_its_drafters():

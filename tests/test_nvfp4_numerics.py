@@ -5,8 +5,11 @@ import torch
 
 from eagle31_export.formats.nvfp4 import numerics as nvfp4
 
-qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor.nvfp4_tensor")
-NVFP4QTensor = qtensor.NVFP4QTensor
+
+
+@pytest.fixture(scope="module")
+def NVFP4QTensor():  # noqa: N802  (ModelOpt's class): only the tests that compare with ModelOpt need it
+    return pytest.importorskip("modelopt.torch.quantization.qtensor.nvfp4_tensor").NVFP4QTensor
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -37,7 +40,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("shape,dtype,magnitude", CASES)
-def test_quantize_and_dequantize_bit_exact_with_modelopt(shape, dtype, magnitude):
+def test_quantize_and_dequantize_bit_exact_with_modelopt(shape, dtype, magnitude, NVFP4QTensor):  # noqa: N803
     w = random_weight(shape, dtype, magnitude, seed=len(shape) * 7 + int(abs(torch.tensor(magnitude).log())))
     ref_q, ref_scale, ref_scale_2 = NVFP4QTensor.quantize(w.clone(), 16)
     ours = nvfp4.quantize(w)
@@ -48,7 +51,7 @@ def test_quantize_and_dequantize_bit_exact_with_modelopt(shape, dtype, magnitude
     assert_same_bits(nvfp4.dequantize(ours.packed, ours.weight_scale, ours.weight_scale_2, dtype), ref_w)
 
 
-def test_shared_global_scale_and_extremes_bit_exact():
+def test_shared_global_scale_and_extremes_bit_exact(NVFP4QTensor):  # noqa: N803
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(64, 64, generator=gen, dtype=torch.float32)
     shared = nvfp4.weight_scale_2_from_amax(torch.tensor(40.0))  # a fused group's larger amax

@@ -28,6 +28,14 @@ import sys
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "parity"))
 from sabotage import drop_fc_norm, pre_norm_feedback, shift_aux_ids, shift_d2t  # noqa: E402
+from eagle31_export.parity.numerics import TIE_ERRORS  # noqa: E402
+
+ERROR = 1e-4 / TIE_ERRORS  # the measured error of every simulated draft step: ties within 1e-4
+
+def sampled_check(replays, error: float = ERROR):
+    """check_sampled at depth 3 with every draft step's measured error `error`: a tie is a top-2 margin
+    within TIE_ERRORS x error (1e-4 by default)."""
+    return check_sampled(replays, 3, [[[error] * len(r.margins) for r in rounds] for rounds in replays], TIE_ERRORS)
 
 PAIR = EmbeddedPair.open(Path(__file__).resolve().parents[1] / "examples" / "tiny" / "models")
 MODELS = PAIR.folder
@@ -74,17 +82,17 @@ def _round(index, accepted, committed, drafts, p, rival=0.5, margins=(1.0, 1.0, 
 
 def test_check_tells_the_drafter_from_the_sampler():
     # an accepted token that is not the reference's draft: the drafter, by position
-    bad = check_sampled([[_round(0, 2, [5, 9, 3], [5, 6, 7], [0.5, 0.5, 0.5])]], 3, 1e-4)
+    bad = sampled_check([[_round(0, 2, [5, 9, 3], [5, 6, 7], [0.5, 0.5, 0.5])]])
     assert not bad.drafts_exact and bad.at_fault == "drafter" and LATER_POSITIONS in bad.failures()[0]
     # the same within the drafter's top-2 margin: a tie, listed, never a failure
-    tie = check_sampled([[_round(0, 2, [5, 9, 3], [5, 6, 7], [0.5, 0.5, 0.5], margins=(1, 1e-6, 1))]], 3, 1e-4)
+    tie = sampled_check([[_round(0, 2, [5, 9, 3], [5, 6, 7], [0.5, 0.5, 0.5], margins=(1, 1e-6, 1))]])
     assert tie.failures() == [] and len(tie.prompts[0].ties) == 1
     # rejections emitting the reference's draft where the target gave it 1 % (bound 0.02 each): the sampler
     rounds = [_round(i, 0, [4], [4, 6, 7], [0.01, None, None]) for i in range(3)]
-    emits = check_sampled([rounds], 3, 1e-4)
+    emits = sampled_check([rounds])
     assert emits.at_fault == "sampler" and ENGINE_EMITS in emits.failures()[0]
     # once, at a likely draft: a drafter drafting otherwise explains it
-    once = check_sampled([[_round(0, 0, [4], [4, 6, 7], [0.4, None, None], rival=0.3)]], 3, 1e-4)
+    once = sampled_check([[_round(0, 0, [4], [4, 6, 7], [0.4, None, None], rival=0.3)]])
     assert once.drafter_open and once.at_fault == "drafter" and POSITION_1 in once.failures()[0]
     # ... unless the runtime run greedy drafts as the reference: then its sampler did not mask the draft
     once.greedy = GreedyDrafts(prompts=1, rounds=12, ties=0, untied=[])
@@ -95,7 +103,7 @@ def test_check_tells_the_drafter_from_the_sampler():
     assert once.at_fault == "drafter" and "differ from the reference's in 1 places" in once.failures()[0]
     # the reference's draft accepted or emitted far more often than p(d) allows (20 of 20 rounds at p 0.3:
     # 6 expected, sd 2.05) while each rejection's emit stays within its bound (0.3 / 0.4): the sampler
-    often = check_sampled([[_round(i, 0, [4], [4, 6, 7], [0.3, None, None], rival=0.6) for i in range(20)]], 3, 1e-4)
+    often = sampled_check([[_round(i, 0, [4], [4, 6, 7], [0.3, None, None], rival=0.6) for i in range(20)]])
     law = often.positions[0]
     assert law.drafted_or_emitted == 20 and law.emits_tail > 1e-3 and law.z_either == pytest.approx(14 / 4.2 ** 0.5)
     assert often.at_fault == "sampler" and ENGINE_MORE in often.failures()[0], often.failures()

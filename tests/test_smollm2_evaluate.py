@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "smollm2" / "evaluate.py"
-pytestmark = pytest.mark.skipif(not (ROOT / "examples" / "smollm2" / "models" / "target" / "config.json").is_file(),
-                                reason="the real pair's target is made by `make smollm2-target` (make test does)")
+HAVE_TARGET = (ROOT / "examples" / "smollm2" / "models" / "target" / "config.json").is_file()
+
+
+def _required(what: str) -> None:
+    """Missing here: a failure under the suite's EAGLE31_REQUIRE_VLLM=1 (`make test` builds it), else a skip."""
+    if os.environ.get("EAGLE31_REQUIRE_VLLM") == "1":
+        pytest.fail(f"required here (EAGLE31_REQUIRE_VLLM=1): {what}")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _real_pair():  # before the module's other fixtures
+    if not HAVE_TARGET:
+        _required("the real pair's target is made by `make smollm2-target` (make test does)")
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +78,23 @@ def test_the_script_measures_every_table_on_a_few_prompts(tmp_path):
     assert (out / "tau_by_context.png").stat().st_size > 10_000 and (out / "tau_by_template.png").stat().st_size > 10_000
     assert [r["label"] for r in record["context"]] == ["512", "1024"]
     assert len(record["template"]) == 4 and record["depth"]["prompts"] == 2
+    check_record(record)
+    assert "| 6 |" in run.stdout and "3. under template" in run.stdout
+
+
+def check_record(record: dict) -> None:
+    """What claims.json must hold whatever the prompts: every prompt's tau is 1 + its accepted drafts per
+    round, at most depth + 1; the trained EAGLE 3.1 drafter accepts drafts (mean tau above 1 at every
+    depth: a count that drops acceptances, or a drafter that drafts nothing the target takes, fails); and
+    the fed-back RMS relative to depth 1 is each depth's RMS over depth 1's, with that RMS recorded."""
     for row in [record["depth"], *record["context"], *record["template"]]:
         for drafter, by_depth in row["tau_per_prompt"].items():
             for depth, taus in by_depth.items():
-                assert all(1.0 <= t <= int(depth) + 1 for t in taus), (row["label"], drafter, depth)
+                assert taus and all(1.0 <= t <= int(depth) + 1 for t in taus), (row["label"], drafter, depth)
+        for depth, taus in row["tau_per_prompt"]["EAGLE 3.1"].items():
+            assert sum(taus) / len(taus) > 1.0, (row["label"], depth, taus)
     assert set(record["diagnose"]) == {"EAGLE-3", "EAGLE 3.1"}
-    assert record["diagnose"]["EAGLE 3.1"]["fed-back RMS / depth 1"][0] == pytest.approx(1.0)
-    assert "| 6 |" in run.stdout and "3. under template" in run.stdout
+    for drafter, rows in record["diagnose"].items():
+        rms, rel = rows["fed-back RMS"], rows["fed-back RMS / depth 1"]
+        assert len(rms) == len(rel) > 1 and rms[0] > 0, (drafter, rms)
+        assert rel == pytest.approx([r / rms[0] for r in rms]), (drafter, rms, rel)

@@ -1,5 +1,5 @@
 """Numerical ties told from bugs (parity/ties.py, parity/numerics.py): a runtime that picks the
-reference's runner-up within K x the error measured at that decision is a tie, counted and listed;
+reference's runner-up within TIE_ERRORS x the error measured at that decision is a tie, counted and listed;
 one that picks a token far beyond it, or a candidate below the runner-up, fails with its symptom; more
 ties than the measured errors explain fail as such."""
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from eagle31_export.parity.compare import ParityReport, Thresholds, _failures, _summarize, compare_prompt
-from eagle31_export.parity.numerics import K, RUNTIME_ERROR_RATIO, Measured, Measurer, expected_ties, poisson_budget
-from eagle31_export.parity.ties import divergences
+from eagle31_export.parity.numerics import RUNTIME_ERROR_RATIO, Measured, Measurer, expected_ties, poisson_budget
+from eagle31_export.parity.numerics import TIE_ERRORS
+from eagle31_export.parity.ties import divergences, judge
 from eagle31_export.reference.replay import _token_gaps
 from eagle31_export.reference.speculate import SpecResult, Top
 
@@ -54,20 +55,20 @@ def results(gap: float) -> tuple[SpecResult, SpecResult]:
 
 
 def test_within_k_measured_errors_is_a_tie_and_beyond_is_a_break():
-    tie = divergences(*results(0.5 * K * ERROR), measured_for(results(0)[0]))
-    broken = divergences(*results(2 * K * ERROR), measured_for(results(0)[0]))
+    tie = divergences(*results(0.5 * TIE_ERRORS * ERROR), measured_for(results(0)[0]))
+    broken = divergences(*results(2 * TIE_ERRORS * ERROR), measured_for(results(0)[0]))
     assert [(d.kind, d.index, d.tie, d.rank) for d in tie] == [("token", 2, True, 2)]
     assert [(d.kind, d.index, d.tie) for d in broken] == [("token", 2, False)]
-    assert abs(broken[0].gap - 2 * K * ERROR) < 1e-6 and broken[0].error == ERROR
+    assert abs(broken[0].gap - 2 * TIE_ERRORS * ERROR) < 1e-6 and broken[0].error == ERROR
     # the same gap is a tie where the measured error there is larger
-    ref, run = results(2 * K * ERROR)
+    ref, run = results(2 * TIE_ERRORS * ERROR)
     assert [d.tie for d in divergences(ref, run, measured_for(ref, 4 * ERROR))] == [True]
 
 
 def test_a_report_counts_the_tie_and_fails_the_break_with_the_target_symptom():
     thresholds = Thresholds()
     report = ParityReport("runtime", 2, 0.0, True, thresholds, "replay")
-    for i, gap in enumerate((0.5 * K * ERROR, 0.5)):
+    for i, gap in enumerate((0.5 * TIE_ERRORS * ERROR, 0.5)):
         ref, run = results(gap)
         report.rows.append(compare_prompt(i, [0], ref, run, None, thresholds.logits_atol,
                                           measured=measured_for(ref)))
@@ -94,10 +95,10 @@ def test_a_round_decided_by_a_near_tie_of_the_drafter_is_a_tie():
 @pytest.mark.parametrize("choice, tie", [(2, True), (3, False), (5, False)])
 def test_a_reported_draft_is_judged_by_its_own_gap_not_the_top_2_margin(choice, tie):
     """Where the runtime reports its draft, the reference's runner-up within the measured error is a tie;
-    its 3rd choice (2 K errors below the best) at that same small-margin step is not, nor a 5th."""
+    its 3rd choice (2 TIE_ERRORS errors below the best) at that same small-margin step is not, nor a 5th."""
     ref = SpecResult(tokens=[1, 1, 1, 1], drafts=[[1, 1], [1, 1]], accepted_per_step=[1, 0], depth=2,
                      token_tops=tops(logits_with(1, 2, 3.0, 4)),
-                     draft_tops=draft_tops(margin=ERROR, third=2 * K * ERROR))
+                     draft_tops=draft_tops(margin=ERROR, third=2 * TIE_ERRORS * ERROR))
     run = SpecResult(tokens=[1, 1, 1, 1], drafts=[[1, 1], [choice, 1]], accepted_per_step=[1, 0], depth=2)
     found = divergences(ref, run, measured_for(ref), run_drafts=run.drafts)
     assert [(d.kind, d.index, d.draft_position, d.tie) for d in found] == [("round", 1, 1, tie)]
@@ -108,7 +109,7 @@ def test_a_reported_draft_is_judged_by_its_own_gap_not_the_top_2_margin(choice, 
 def cut_round(run_draft_2: int) -> tuple[SpecResult, SpecResult]:
     """One round of depth 3 cut by max_new_tokens after its first draft's token (2 tokens returned): the
     reference accepts 2 drafts along its own (1, 1), the runtime 3 along (1, run_draft_2, 1). Draft 2
-    reads only returned tokens; draft 3 reads draft 2, past the cut. Every margin is 3.0, far beyond K
+    reads only returned tokens; draft 3 reads draft 2, past the cut. Every margin is 3.0, far beyond TIE_ERRORS
     errors: only the prefix tells a tie from a break here."""
     ref = SpecResult(tokens=[1, 1], drafts=[[1, 1, 1]], accepted_per_step=[2], depth=3,
                      token_tops=tops(logits_with(1, 2, 3.0, 4)), draft_tops=draft_tops(rounds=1, depth=3))
@@ -122,10 +123,13 @@ def test_a_difference_past_the_cut_is_listed_not_judged():
     counted (a faithful bf16 run of benchmarks/verdict_power.py failed so before, on counts only)."""
     ref, run = cut_round(1)
     found = divergences(ref, run, measured_for(ref))
-    assert [(d.kind, d.draft_position, d.tie, d.past_cut, d.counted) for d in found] == [("round", 3, True, True, False)]
+    assert [(d.kind, d.draft_position, d.tie, d.past_cut, d.counted, d.untied) for d in found] == [
+        ("round", 3, False, True, False, False)]
     assert "past max_new_tokens" in found[0].describe()
     row = compare_prompt(0, [0], ref, run, None, 1.0, drafts_reported=False, measured=measured_for(ref))
-    assert not row.untied and row.tie_budget["observed"] == 0 and row.ties == [found[0].describe()]
+    # neither a failure nor a tie: listed apart, counted nowhere
+    assert not row.untied and row.tie_budget["observed"] == 0 and row.ties == []
+    assert row.past_cut == [found[0].describe()]
 
 
 @pytest.mark.parametrize("draft_2, tie", [(1, True), (2, False)])
@@ -142,11 +146,12 @@ def test_a_reported_draft_before_the_cut_is_judged(draft_2, tie):
 
 def test_more_ties_than_the_measured_errors_explain_fail():
     """Each prompt differs once, a tie by itself; the budget allows what N(0, e^2) shifts would flip."""
-    ref, run = results(0.8 * K * ERROR)
+    ref, run = results(0.8 * TIE_ERRORS * ERROR)
     measured = measured_for(ref)
     budget = expected_ties(ref, run, measured, drafts_reported=True)
-    # every token's margin is 0.8 K errors: a flip each with P(N(0, RATIO^2) > 0.8 K); the drafts' 3.0 never flip
-    flip = 0.5 * math.erfc(0.8 * K / (RUNTIME_ERROR_RATIO * math.sqrt(2)))
+    # every token's margin is 0.8 TIE_ERRORS errors: a flip each with P(N(0, RATIO^2) > 0.8 TIE_ERRORS);
+    # the drafts' 3.0 never flip
+    flip = 0.5 * math.erfc(0.8 * TIE_ERRORS / (RUNTIME_ERROR_RATIO * math.sqrt(2)))
     assert budget.decisions == 4 + 4 and budget.expected == pytest.approx(4 * flip, rel=1e-3)
     prompts = 10
     assert poisson_budget(prompts * budget.expected) < prompts
@@ -167,17 +172,17 @@ def test_under_load_a_tie_is_counted_and_a_break_fails_as_batching():
     from eagle31_export.parity.concurrency import BATCHING, LoadRuns, compare_levels
     from eagle31_export.runtime.contract import ConcurrentRun
 
-    tie_ref, tie_run = results(0.5 * K * ERROR)
+    tie_ref, tie_run = results(0.5 * TIE_ERRORS * ERROR)
     break_ref, break_run = results(0.5)
     base = [SpecResult(tokens=list(r.tokens), drafts=r.drafts, accepted_per_step=r.accepted_per_step, depth=2)
             for r in (tie_ref, break_ref)]  # at C = 1 both prompts gave the reference's own tokens
     replayed = {0: tie_ref, 1: break_ref}  # the reference along each run's own sequence, with its candidates
 
-    def judge(index, run):
-        return divergences(replayed[index], run, measured_for(replayed[index]))
+    def judged(index, run):
+        return judge(replayed[index], run, measured_for(replayed[index]), True)
 
     load = LoadRuns({4: ConcurrentRun([tie_run, break_run])}, {4: 1.0})
-    rows, failures = compare_levels(base, 1.0, base, load, 2, True, 0.02, judge)
+    rows, failures = compare_levels(base, 1.0, base, load, 2, True, 0.02, judged)
     level = rows[1]
     assert level.tied_prompts == [0] and level.differing_prompts == [1]
     assert len(level.ties) == 1 and level.ties[0].startswith("prompt 0: token 2")

@@ -4,6 +4,10 @@ code against real engines: tests/test_vllm_engine.py, tests/test_vllm_serving.py
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 
 from eagle31_export.parity.concurrency import ConcurrencyRow, LoadRuns, compare_repeats
@@ -170,30 +174,32 @@ def test_counters_read_the_same_with_or_without_total():
             want.prefix_cache_hits, want.prefix_cache_queries, want.generated, want.running)
 
 
-# What vLLM 0.33.0 registers (read in the vllm-0.33.0 wheel, sha256 4b6bdec4...: vllm/v1/spec_decode/metrics.py
-# SpecDecodingProm, vllm/v1/metrics/loggers.py PrometheusStatLogger), by kind; counters get `_total` on /metrics.
-VLLM_033_METRICS = {
-    "vllm:spec_decode_num_drafts": "counter", "vllm:spec_decode_num_draft_tokens": "counter",
-    "vllm:spec_decode_num_accepted_tokens": "counter", "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
-    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
-    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
-    "vllm:generation_tokens": "counter", "vllm:iteration_tokens_total": "histogram", "vllm:cache_config_info": "gauge",
-}
-# SpeculativeConfig's fields in vLLM 0.33.0 (vllm/config/speculative.py; @config forbids any other key) that
-# our bundles' --speculative-config uses.
-VLLM_033_SPECULATIVE_FIELDS = {"method", "model", "num_speculative_tokens", "draft_sample_method",
-                               "rejection_sample_method"}
+# What vLLM 0.33.0 registers and accepts, extracted from its wheel's source by tests/vllm_names.py (the extract
+# names its source); EAGLE31_VLLM_033_SOURCE=<unzipped wheel> extracts it again and compares.
+VLLM_033 = json.loads((Path(__file__).parent / "data" / "vllm-0.33.0-names.json").read_text())
+
+
+def test_the_committed_extract_is_what_the_0_33_source_says():
+    site = os.environ.get("EAGLE31_VLLM_033_SOURCE")
+    if not site:
+        pytest.skip("EAGLE31_VLLM_033_SOURCE names no unzipped vllm 0.33.0 wheel")
+    from vllm_names import extract
+
+    assert extract(Path(site)) == {k: v for k, v in VLLM_033.items() if k != "source"}
 
 
 def test_what_the_client_reads_is_what_vllm_0_33_registers():
+    """Every name the client reads is one vLLM 0.33.0 registers, read as the kind it registers (counters
+    with `_total` on the page), from the hand-written page above."""
     from eagle31_export.runtime import vllm_client as client
 
-    read = {client.RUNNING, client.WAITING, client.CACHE_HITS, client.CACHE_QUERIES, client.STEPS, client.GENERATED,
-            client.CACHE_INFO} | {client.SPEC_PREFIX + short for short in client._SPEC_FIELDS} | {
-            client.SPEC_PREFIX + "num_accepted_tokens_per_pos"}
-    assert read == set(VLLM_033_METRICS)
-    # the hand-written page above has each of them, as 0.33 writes it (counters with _total)
-    for name, kind in VLLM_033_METRICS.items():
+    kinds = {client.RUNNING: "gauge", client.WAITING: "gauge", client.CACHE_HITS: "counter",
+             client.CACHE_QUERIES: "counter", client.STEPS: "histogram", client.GENERATED: "counter",
+             client.CACHE_INFO: "gauge", client.SPEC_PREFIX + "num_accepted_tokens_per_pos": "counter",
+             **{client.SPEC_PREFIX + short: "counter" for short in client._SPEC_FIELDS}}
+    registered = VLLM_033["metrics"]
+    assert {name: registered.get(name) for name in kinds} == kinds
+    for name, kind in kinds.items():
         assert (f"# TYPE {name} {kind}" in PAGE) or (kind == "gauge" and f"\n{name}{{" in PAGE), name
 
 
@@ -206,8 +212,9 @@ def test_bundles_speculative_config_uses_vllm_0_33_keys(tmp_path, eagle31_dir, l
 
     bundle = export_vllm(eagle31_dir, llama_target, tmp_path / "b")
     spec = json.loads((bundle / "speculative_config.json").read_text())
-    assert set(spec) <= VLLM_033_SPECULATIVE_FIELDS and spec["method"] == "eagle3"
+    fields = set(VLLM_033["speculative_config_fields"])  # @config forbids any other key
+    assert set(spec) <= fields and spec["method"] == "eagle3"
     args = engine_args({**json.loads((bundle / "bundle.json").read_text()), "drafter": str(bundle / "drafter")},
                        LoadOptions(depth=3))
     served = json.loads(args[args.index("--speculative-config") + 1])
-    assert set(served) <= VLLM_033_SPECULATIVE_FIELDS
+    assert set(served) <= fields

@@ -5,6 +5,7 @@ speculators drafters have, saved by speculators 0.9.0's own classes, inspected, 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -17,10 +18,20 @@ from test_vllm_engine import DRAFTER31, TARGET, TINY, assert_exact_pass, bundle_
 pytestmark = pytest.mark.engine
 
 
+def _required(what: str) -> None:
+    """Missing here: a failure under the suite's EAGLE31_REQUIRE_VLLM=1 (`make test` builds it), else a skip."""
+    if os.environ.get("EAGLE31_REQUIRE_VLLM") == "1":
+        pytest.fail(f"required here (EAGLE31_REQUIRE_VLLM=1): {what}")
+    pytest.skip(what)
+
+
 @pytest.fixture(scope="module")
 def speculators31(tmp_path_factory):
     """The tiny pair's trained EAGLE 3.1 drafter recast as speculators' 3.1, saved by speculators' classes."""
-    pytest.importorskip("speculators.models.eagle3")  # installed in the project environment (Makefile)
+    try:
+        import speculators.models.eagle3  # noqa: F401  (installed in the project environment: Makefile)
+    except ImportError as err:
+        _required(f"speculators is not installed here ({err})")
     from speculators_trained import write_speculators_31
 
     return write_speculators_31(TINY, DRAFTER31, TARGET, tmp_path_factory.mktemp("speculators31") / "drafter")

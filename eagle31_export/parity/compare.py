@@ -5,10 +5,12 @@ Pass rules (defaults in `Thresholds`):
   difference is a runtime bug, not noise);
 - greedy: every round's `accepted_per_step` (and drafts, where the runtime reports them) identical
   too (a random or weak drafter accepts little, so drafts are where a drafter-side bug shows first);
-- greedy replay, any precision: a difference where the runtime chose the reference's runner-up
-  within K times the error the runtime's precision measurably makes at that decision is a numerical
-  tie, counted and listed (parity/ties.py, parity/numerics.py); every other difference fails with its
-  symptom, and so do more ties than that precision explains (the tie budget);
+- greedy replay, any precision, and every run judged with ties (under load, mixed batches, a sampled
+  run's drafts and its greedy check): a difference where the runtime's choice lies within TIE_ERRORS
+  times the error the runtime's precision measurably makes at that decision is a numerical tie,
+  counted and listed (parity/ties.py, parity/numerics.py: the one tie rule, and where its thresholds
+  come from); every other difference fails with its symptom, and so do more ties than that precision
+  explains (the tie budget). A difference past max_new_tokens is listed as not judged, never a tie;
 - fp16/bf16 runtime, greedy without replay: mean tau within `tau_rel_tol` of the reference
   (statistical: differing tokens are counted, not failed on);
 - sampling: per-position acceptance rates within a binomial confidence bound.
@@ -28,7 +30,7 @@ import torch
 from eagle31_export.errors import UserError
 from eagle31_export.parity.blind_spots import blind_spots
 from eagle31_export.parity.concurrency import (
-    ConcurrencyRow, Judge, LoadRuns, check_runtime_serves, compare_levels, compare_repeats, run_levels,
+    BATCHING, ConcurrencyRow, Judge, LoadRuns, check_runtime_serves, compare_levels, compare_repeats, run_levels,
 )
 from eagle31_export.parity.context import ContextRow
 from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
@@ -36,8 +38,8 @@ from eagle31_export.parity.evidence import inconclusive_reasons
 from eagle31_export.parity.mixed_batches import MixedBatchRow, check_mixed_batches
 from eagle31_export.parity.sampling import ALPHA, CORRECTION, GreedyDrafts, SamplingCheck, check_sampled
 from eagle31_export.parity.symptoms import LATER_POSITIONS, POSITION_1  # noqa: F401 (re-exported)
-from eagle31_export.parity.numerics import BUDGET_ALPHA, K, Measured, Measurer, TieBudget, expected_ties, measurer_for
-from eagle31_export.parity.ties import Divergence, divergences
+from eagle31_export.parity.numerics import BUDGET_ALPHA, TIE_ERRORS, Measured, Measurer, TieBudget, measurer_for
+from eagle31_export.parity.ties import Divergence, Judged, judge
 from eagle31_export.progress import Phases
 from eagle31_export.reference.speculate import LoopObserver, Round, Sampling, SpecResult
 from eagle31_export.reference.statistics import accepted_per_position
@@ -52,17 +54,10 @@ class Thresholds:
     sampling_z: float = 3.0  # the rejection rule's per-position rates (autoregressive, our runtimes)
     # greedy-drafts: (b)'s family-wise false-alarm rate over all of its tests (parity/sampling.py)
     sampled_alpha: float = ALPHA
-    # Ties: the runtime's choice within tie_k x the error its precision measurably makes at that
-    # decision (parity/numerics.py: K, and how it was chosen)
-    tie_k: float = K
+    # Ties, in every verdict: the runtime's choice within tie_errors x the error its precision measurably
+    # makes at that decision (parity/numerics.py: TIE_ERRORS, and where it comes from)
+    tie_errors: float = TIE_ERRORS
     fp4_activations: bool = False  # the compared target quantizes its activations (W4A4)
-    # Sampled runs' drafts (parity/sampling.py) are judged by the drafter's top-2 margin against these
-    # (their replays carry no measurement at the runtime's precision yet)
-    sampled_tie_gap_fp32: float = 1e-4
-    sampled_tie_gap_half_precision: float = 0.25
-
-    def sampled_tie_gap(self, exact: bool) -> float:
-        return self.sampled_tie_gap_fp32 if exact else self.sampled_tie_gap_half_precision
 
 
 @dataclass
@@ -88,9 +83,10 @@ class PromptRow:
     # replay: every differing token / round, as a numerical tie or not (parity/ties.py); None: not judged
     ties: list[str] | None = None
     untied: list[str] | None = None
+    past_cut: list[str] = field(default_factory=list)  # differences past max_new_tokens: not judged, not ties
     # ties this prompt's precision explains (parity/numerics.py): observed, expected, decisions
     tie_budget: dict | None = None
-    largest_tie: float | None = None  # the largest tie's gap in units of its measured error (at most K)
+    largest_tie: float | None = None  # the largest tie's gap in units of its measured error (at most TIE_ERRORS)
 
 
 @dataclass
@@ -119,7 +115,7 @@ class ParityReport:
     sampled: SamplingCheck | None = None  # greedy-drafts rule: (a) drafts exact and (b) acceptance law (parity/sampling.py)
     sampling_rule_basis: str | None = None  # how the runtime's rule is known (set, observed, stated)
     context: list[ContextRow] = field(default_factory=list)  # --context: acceptance by prompt length
-    # how the runtime's precision was measured (parity/numerics.py): the low side's precision, K, the
+    # how the runtime's precision was measured (parity/numerics.py): the low side's precision, TIE_ERRORS, the
     # error scales and normalized margin shifts over every decision; None where ties are not measured
     numerics: dict | None = None
     activations: dict | None = None  # FP4 activations or not, and how that is known (set, observed, stated)
@@ -161,8 +157,10 @@ class ParityReport:
         """What the comparison covers, in words (the report says it)."""
         if self.sampled is not None:
             return (f"(a) every accepted token equals the reference drafter's greedy draft and every rejection's token "
-                    f"differs from it (exact; differences within the drafter's top-2 margin "
-                    f"{self.sampled.tie_gap:g} are ties, listed); (b) the reference's draft accepted or emitted per "
+                    f"differs from it (exact; a difference where the drafter's top-2 margin is within "
+                    f"{self.sampled.tie_errors:g} x the error {self.sampled.precision or 'the runtime precision'} "
+                    f"measurably makes at that draft step is a tie, listed, and no more of them than that precision "
+                    f"explains); (b) the reference's draft accepted or emitted per "
                     f"position and over all (tau) against the target's probabilities, exact tails, {CORRECTION} over "
                     f"every test at a family-wise false-alarm rate of {self.sampled.alpha:g} (statistical); rule "
                     f"{self.sampled.rule}")
@@ -175,10 +173,10 @@ class ParityReport:
             where = ("fp32" if self.exact else "half precision") + (
                 " with FP4 activations" if self.thresholds.fp4_activations else "")
             said = (f"{seen}: identical ({where}), except numerical ties (the runtime's choice the reference's "
-                    f"runner-up within {self.thresholds.tie_k:g} x the error {self.numerics_precision} measurably "
+                    f"runner-up within {self.thresholds.tie_errors:g} x the error {self.numerics_precision} measurably "
                     "makes at that decision), which are listed, and no more of them than that precision explains")
             if self.numerics and self.numerics.get("median_error") is not None:
-                said += (f"; a bug that moves a decision by less than {self.thresholds.tie_k:g} x its measured "
+                said += (f"; a bug that moves a decision by less than {self.thresholds.tie_errors:g} x its measured "
                          f"error (median {self.numerics['median_error']:.2g} logits here) is not told from "
                          "precision one decision at a time")
             if self.not_excluded:
@@ -344,16 +342,16 @@ def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | Non
 
 def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResult, logits_diff: float | None,
                    logits_atol: float, drafts_reported: bool = True, in_order: bool = True,
-                   measured: Measured | None = None, k: float = K) -> PromptRow:
+                   measured: Measured | None = None, tie_errors: float = TIE_ERRORS) -> PromptRow:
     """One prompt's row. A runtime that reports no drafts (`Speculator.reports_drafts`) is compared on
     tokens and accepted counts; one whose rounds come as counts only (`rounds_in_order`) on their multiset.
     `measured`: the error the runtime's precision makes at each of the replay's decisions: judge every
     difference as a numerical tie or not (parity/ties.py), and count them against the tie budget."""
     divergent = (next((i for i, (a, b) in enumerate(zip(ref.drafts, run.drafts)) if a != b), None)
                  if drafts_reported else None)
-    found = (divergences(ref, run, measured, k, run.drafts if drafts_reported else None)
-             if measured is not None and in_order else None)
-    untied = [d for d in found or [] if not d.tie]
+    judged = judge(ref, run, measured, drafts_reported, tie_errors) if measured is not None and in_order else None
+    found = judged.found if judged is not None else None
+    untied = judged.untied if judged is not None else []
     same_rounds = (ref.accepted_per_step == run.accepted_per_step if in_order
                    else sorted(ref.accepted_per_step) == sorted(run.accepted_per_step))
     return PromptRow(
@@ -367,12 +365,11 @@ def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResu
             _judged_symptom(found, untied) or _symptom(ref, run, divergent, logits_diff, logits_atol,
                                                        drafts_reported)),
         accepted_per_position_reference=_counts(ref), accepted_per_position_runtime=_counts(run),
-        ties=None if found is None else [d.describe() for d in found if d.tie],
-        untied=None if found is None else [d.describe() for d in untied],
-        tie_budget=None if found is None else {
-            **expected_ties(ref, run, measured, drafts_reported).to_json(),
-            "observed": sum(d.counted for d in found)},
-        largest_tie=max((d.ratio for d in found or [] if d.tie and d.ratio is not None), default=None),
+        ties=None if judged is None else [d.describe() for d in judged.ties],
+        untied=None if judged is None else [d.describe() for d in untied],
+        past_cut=[] if judged is None else [d.describe() for d in judged.past_cut],
+        tie_budget=None if judged is None else judged.budget.to_json(),
+        largest_tie=max((d.ratio for d in judged.ties if d.ratio is not None), default=None) if judged else None,
     )
 
 
@@ -486,7 +483,7 @@ def run_parity_in_turn(load_runtime: Callable[[], Speculator], load_reference: C
             ref, measured = _replayed(reference, measurer, prompt, run, ref_logits)
             refs.append(ref)
             row = compare_prompt(i, prompt, ref, run, _max_abs_diff(ref_logits.logits, run_logits.logits), atol,
-                                 report.drafts_reported, measured=measured, k=thresholds.tie_k)
+                                 report.drafts_reported, measured=measured, tie_errors=thresholds.tie_errors)
             row.target_forwards_reference = 1
             report.rows.append(row)
             phases("compare", i + 1, len(prompts))
@@ -517,7 +514,30 @@ def _add_levels(report: ParityReport, runs: list[SpecResult], seconds: float, re
         return
     report.concurrency, failures = compare_levels(runs, seconds, refs, load, report.depth, report.exact,
                                                   report.thresholds.tau_rel_tol, judge)
-    report.failures += failures + compare_repeats(report.concurrency, runs, load, report.exact, judge)
+    report.failures += failures + _level_budgets(report) + compare_repeats(report.concurrency, runs, load,
+                                                                             report.exact, judge)
+
+
+def _level_budgets(report: ParityReport) -> list[str]:
+    """Each judged level's ties against what the runtime's precision explains: the prompts that differ
+    from C = 1 as judged, every other prompt with its C = 1 ties (the same run there)."""
+    out = []
+    for row in report.concurrency[1:]:
+        if not row.ties_judged or row.tie_budget is None:
+            continue
+        judged = set(row.differing_prompts) | set(row.tied_prompts)
+        budget = TieBudget(row.tie_budget["expected"], row.tie_budget["decisions"], row.tie_budget["observed"])
+        for base in report.rows:
+            if base.prompt_index not in judged and base.tie_budget is not None:
+                b = base.tie_budget
+                budget.add(TieBudget(b["expected"], b["decisions"], b["observed"]))
+        row.tie_budget = budget.to_json()
+        if budget.exceeded:
+            out.append(f"concurrency {row.concurrency}: {budget.observed} numerical ties, more differences than the "
+                       f"runtime's precision explains ({report.numerics_precision}: {budget.expected:.2g} expected "
+                       f"over {budget.decisions} decisions, at most {budget.allowed} at p = {BUDGET_ALPHA:g}): a small "
+                       f"systematic error under load ({BATCHING})")
+    return out
 
 
 def _tie_judge(reference: Speculator, prompts: list[list[int]], report: ParityReport,
@@ -526,12 +546,21 @@ def _tie_judge(reference: Speculator, prompts: list[list[int]], report: ParityRe
     the error the runtime's precision measurably makes there (parity/ties.py, parity/numerics.py)."""
     if report.temperature != 0 or not hasattr(reference, "replay") or measurer is None or measurer.unavailable:
         return None
-    k, drafts = report.thresholds.tie_k, report.drafts_reported
+    return _judge_with(reference, prompts, measurer, report.drafts_reported, report.thresholds.tie_errors)
 
-    def judge(index: int, run: SpecResult):
-        ref, measured = measurer.replay(reference, prompts[index], run)
-        return divergences(ref, run, measured, k, run.drafts if drafts else None)
-    return judge
+
+def _judge_with(reference: Speculator, prompts: list[list[int]], measurer: Measurer | None, drafts_reported: bool,
+                tie_errors: float) -> Callable[[int, SpecResult], Judged | None]:
+    """(prompt index, a greedy run of it) -> the run judged by the one tie rule (parity/ties.py: judge),
+    against the reference replayed along it and the error measured at each decision (none excused where
+    the precision cannot be measured)."""
+    def judged(index: int, run: SpecResult) -> Judged | None:
+        ref, measured = _replayed(reference, measurer, prompts[index], run)
+        if measured is None:
+            measured = Measured.unmeasured(ref, "not measured")
+        return judge(ref, run, measured, drafts_reported and len(run.drafts) == len(run.accepted_per_step),
+                     tie_errors)
+    return judged
 
 
 def _replayed(reference: Speculator, measurer: Measurer | None, prompt: list[int], run: SpecResult,
@@ -545,10 +574,10 @@ def _replayed(reference: Speculator, measurer: Measurer | None, prompt: list[int
 def _summarize(report: ParityReport, measurer: Measurer | None) -> None:
     """The measurement's figures, and the tie budget's verdict, into the report."""
     if measurer is not None and measurer.unavailable:
-        report.numerics = measurer.summary(report.thresholds.tie_k)  # said in the report: nothing excused as a tie
+        report.numerics = measurer.summary(report.thresholds.tie_errors)  # said in the report: nothing excused as a tie
     if measurer is None or not report.ties_judged:
         return
-    report.numerics = measurer.summary(report.thresholds.tie_k)
+    report.numerics = measurer.summary(report.thresholds.tie_errors)
     report.numerics["largest_tie"] = max((r.largest_tie for r in report.rows if r.largest_tie is not None),
                                          default=None)
     budget = report.tie_budget
@@ -588,7 +617,7 @@ def _compare_prompts(report, reference, runtime, prompts, depth, max_new_tokens,
         atol = thresholds.logits_atol if exact else thresholds.half_precision_logits_atol
         diff = _max_abs_diff(ref_logits.logits, run_logits.logits)
         row = compare_prompt(i, prompt, ref, run, diff, atol, runtime.reports_drafts, runtime.rounds_in_order,
-                             measured=measured, k=thresholds.tie_k)
+                             measured=measured, tie_errors=thresholds.tie_errors)
         row.target_forwards_reference = forwards
         report.rows.append(row)
         runs.append(run)
@@ -611,50 +640,69 @@ def compare_sampled(reference: Speculator, runtime: Speculator, prompts: list[li
         raise UserError("sampling parity under the greedy-drafts rule replays a reference pair (--drafter, --target)")
     report = ParityReport(runtime.name, depth, sampling.temperature, runtime.exact, thresholds, "sampled-replay",
                           drafts_reported=runtime.reports_drafts, sampling=sampling, sampling_rule_basis=rule_basis)
-    gap, replays = thresholds.sampled_tie_gap(runtime.exact), []
+    measurer = measurer_for(reference, runtime.exact, runtime.compute_dtype, thresholds.fp4_activations)
+    tie_errors, replays, errors = thresholds.tie_errors, [], []
     with phases.phase("compare", total=len(prompts)):
         for i, prompt in enumerate(prompts):
             run = runtime.run(prompt, max_new_tokens, depth, sampling, seed + i)
-            replays.append(reference.replay_sampled(prompt, run, sampling))
-            one = check_sampled(replays[-1:], depth, gap, thresholds.sampled_alpha, sampling.rule, first_index=i)
+            rounds, measured = _replayed_sampled(reference, measurer, prompt, run, sampling)
+            replays.append(rounds)
+            errors.append(measured)
+            one = check_sampled(replays[-1:], depth, errors[-1:], tie_errors, thresholds.sampled_alpha, sampling.rule,
+                                first_index=i)
             report.rows.append(_sampled_row(prompt, run, one))
             phases("compare", i + 1, len(prompts))
     report.drafts_reported = report.drafts_reported and runtime.reports_drafts  # vllm: placeholders refused
-    report.sampled = check_sampled(replays, depth, gap, thresholds.sampled_alpha, sampling.rule)
+    precision = None if measurer is None or measurer.unavailable else measurer.precision
+    report.sampled = check_sampled(replays, depth, errors, tie_errors, thresholds.sampled_alpha, sampling.rule,
+                                   precision=precision)
+    judged = _judge_with(reference, prompts, measurer, runtime.reports_drafts, tie_errors)
     if report.sampled.wants_greedy and hasattr(reference, "replay"):
-        report.sampled.greedy = _greedy_drafts(reference, runtime, prompts, depth, max_new_tokens, seed, gap, phases)
+        report.sampled.greedy = _greedy_drafts(runtime, prompts, depth, max_new_tokens, seed, judged, phases)
     report.failures = report.sampled.failures()
-    report.mixed_batches, mixed = check_mixed_batches(reference, runtime, prompts, depth, max_new_tokens, sampling,
-                                                      seed, concurrency, gap, phases)
+    report.mixed_batches, mixed = check_mixed_batches(runtime, prompts, depth, max_new_tokens, sampling, seed,
+                                                      concurrency, judged, phases)
     report.failures += mixed
+    if measurer is not None:
+        report.numerics = measurer.summary(tie_errors)
     report.judge_evidence()
     report.timings = phases.as_json()
     return report
 
 
-def _greedy_drafts(reference: Speculator, runtime: Speculator, prompts: list[list[int]], depth: int,
-                   max_new_tokens: int, seed: int, gap: float, phases: Phases) -> GreedyDrafts:
-    """The runtime run greedy over the same prompts, each replayed: does its drafter draft as the
-    reference's (under greedy-drafts its drafts are the argmax whatever the temperature), and are its
-    target's greedy tokens the reference target's? A round decided by a differing target token is the
-    target's, not the drafter's; a prompt whose rounds cannot be aligned clears nothing."""
-    rounds, ties, untied, tokens, unaligned = 0, 0, [], [], []
+def _replayed_sampled(reference: Speculator, measurer: Measurer | None, prompt: list[int], run: SpecResult,
+                      sampling: Sampling) -> tuple[list, list[list[float]]]:
+    """The reference along a sampled run, and the measured error of each draft step (every one 0 where the
+    precision cannot be measured: no difference excused as a tie)."""
+    if measurer is None:
+        rounds = reference.replay_sampled(prompt, run, sampling)
+        return rounds, [[0.0] * len(r.margins) for r in rounds]
+    return measurer.replay_sampled(reference, prompt, run, sampling)
+
+
+def _greedy_drafts(runtime: Speculator, prompts: list[list[int]], depth: int, max_new_tokens: int, seed: int,
+                   judged: Callable[[int, SpecResult], Judged | None], phases: Phases) -> GreedyDrafts:
+    """The runtime run greedy over the same prompts, each replayed and judged by the one tie rule: does
+    its drafter draft as the reference's (under greedy-drafts its drafts are the argmax whatever the
+    temperature), and are its target's greedy tokens the reference target's? A round decided by a
+    differing target token is the target's, not the drafter's; a prompt whose rounds cannot be aligned
+    clears nothing; more ties than the runtime's precision explains clear nothing either."""
+    rounds, ties, untied, tokens, unaligned, budget = 0, 0, [], [], [], TieBudget()
     with phases.phase("greedy_drafts", total=len(prompts)):
         for i, prompt in enumerate(prompts):
             run = runtime.run(prompt, max_new_tokens, depth, 0.0, seed + i)
-            ref = reference.replay(prompt, run)
-            found = divergences(ref, run, Measured.flat(ref, gap), K, run.drafts if runtime.reports_drafts else None)
+            found = judged(i, run)
             if found is None:
                 unaligned.append(i)
             else:
                 rounds += len(run.accepted_per_step)
-                ties += sum(d.tie and not d.past_cut for d in found)
-                differ = [d for d in found if not d.tie]
-                untied += [f"prompt {i}, {d.describe()} ({_untied_symptom(d)})" for d in differ
+                ties += len(found.ties)
+                budget.add(found.budget)
+                untied += [f"prompt {i}, {d.describe()} ({_untied_symptom(d)})" for d in found.untied
                            if d.kind == "round" and not d.decided_by_token]
-                tokens += [f"prompt {i}, {d.describe()}" for d in differ if d.kind == "token"]
+                tokens += [f"prompt {i}, {d.describe()}" for d in found.untied if d.kind == "token"]
             phases("greedy_drafts", i + 1, len(prompts))
-    return GreedyDrafts(len(prompts), rounds, ties, untied, tokens, unaligned)
+    return GreedyDrafts(len(prompts), rounds, ties, untied, tokens, unaligned, budget)
 
 
 def _sampled_row(prompt: list[int], run: SpecResult, check: SamplingCheck) -> PromptRow:
@@ -677,7 +725,7 @@ def _failures(report: ParityReport) -> list[str]:
     out = []
     if report.temperature == 0 and report.ties_judged:
         return [f"prompt {row.prompt_index}: {row.untied[0]}, not a numerical tie (a tie: the reference's "
-                f"runner-up within {report.thresholds.tie_k:g} x the measured error) ({row.symptom})"
+                f"runner-up within {report.thresholds.tie_errors:g} x the measured error) ({row.symptom})"
                 for row in report.rows if row.untied]
     if report.temperature == 0:
         for row in report.rows:

@@ -72,6 +72,9 @@ class ConcurrencyRow:
     ties: list[str] = field(default_factory=list)
     untied: list[str] = field(default_factory=list)
     ties_judged: bool = False
+    # the level's ties against what the runtime's precision explains (parity/numerics.py: TieBudget.to_json),
+    # over every prompt: a prompt identical to C = 1 brings its C = 1 ties (parity/compare.py adds them)
+    tie_budget: dict | None = None
     repeats: list["RepeatRow"] = field(default_factory=list)  # --repeat: each later send against this level's first
     # where the client itself never kept C requests in flight (a starved client): what batching it could show
     batching_not_shown: str | None = None
@@ -114,10 +117,10 @@ def pooled_counts(results: list[SpecResult], depth: int) -> dict:
     return {"rounds": len(steps), "accepted": sum(steps), "accepted_per_position": accepted_per_position(steps, depth)}
 
 
-# (prompt index, a run of it) -> every place the run differs from the reference replayed along it, each
-# judged a numerical tie or not (parity/ties.py: Divergence, a layer above this one); None where the
-# rounds cannot be aligned
-Judge = Callable[[int, SpecResult], "list | None"]
+# (prompt index, a run of it) -> the run judged against the reference replayed along it (parity/ties.py:
+# Judged, a layer above this one: `.ties`, `.untied` and `.budget` with observed, expected and decisions);
+# None where the rounds cannot be aligned
+Judge = Callable[[int, SpecResult], "object | None"]
 
 
 def compare_levels(base: list[SpecResult], base_seconds: float, references: list[SpecResult], load: LoadRuns,
@@ -167,17 +170,20 @@ NOT_BATCHED = "the runtime did not batch"
 
 def _judge_ties(row: ConcurrencyRow, results: list[SpecResult], judge: Judge) -> None:
     """Sort the row's differing prompts into numerical ties and real differences."""
-    real = []
+    real, budget = [], {"observed": 0, "expected": 0.0, "decisions": 0}
     for i in row.differing_prompts:
         found = judge(i, results[i])
-        untied = [d for d in found or [] if not d.tie]
-        row.ties += [f"prompt {i}: {d.describe()}" for d in found or [] if d.tie]
+        untied = found.untied if found is not None else []
+        row.ties += [f"prompt {i}: {d.describe()}" for d in (found.ties if found is not None else [])]
+        if found is not None:
+            for key in budget:
+                budget[key] += getattr(found.budget, key)
         if found is None or untied:
             real.append(i)
             row.untied.append(f"prompt {i}: " + (untied[0].describe() if untied else "rounds cannot be aligned"))
         else:
             row.tied_prompts.append(i)
-    row.differing_prompts, row.ties_judged = real, True
+    row.differing_prompts, row.ties_judged, row.tie_budget = real, True, budget
 
 
 def client_kept(row: ConcurrencyRow) -> int | None:
@@ -325,7 +331,7 @@ def _repeat_row(k: int, run: ConcurrentRun, seconds: float, first: ConcurrentRun
 
 
 def _tied(found) -> bool:
-    return found is not None and all(d.tie for d in found)
+    return found is not None and not found.untied
 
 
 def _first_difference(run: SpecResult, first: SpecResult, rounds: bool) -> str | None:

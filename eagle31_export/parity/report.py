@@ -188,10 +188,12 @@ def tie_lines(report: ParityReport) -> list[str]:
     unmeasured = (report.numerics or {}).get("unavailable")
     if unmeasured:
         return [f"Numerical ties not judged: {unmeasured}; no difference is excused as a tie.", ""]
+    past = [f"- prompt {r.prompt_index}: {d}" for r in report.rows for d in r.past_cut]
+    past = ([f"Not judged ({len(past)}; past max_new_tokens, not ties, not counted):", "", *past, ""] if past else [])
     if not report.ties_judged or not report.tie_count:
-        return []
+        return past
     n, budget = report.numerics or {}, report.tie_budget
-    lines = [f"## Numerical ties ({report.tie_count}; the reference's runner-up within {report.thresholds.tie_k:g} x "
+    lines = [f"## Numerical ties ({report.tie_count}; the runtime's choice within {report.thresholds.tie_errors:g} x "
              f"the error {report.numerics_precision} measurably makes at that decision)", ""]
     if n.get("median_error") is not None:
         lines += [f"Measured over {n['decisions']} decisions: error median {n['median_error']:.2g}, p99 "
@@ -202,7 +204,7 @@ def tie_lines(report: ParityReport) -> list[str]:
     if budget is not None:
         lines += [f"Tie budget: {budget.observed} observed, {budget.expected:.2g} expected over {budget.decisions} "
                   f"decisions, at most {budget.allowed} allowed.", ""]
-    return lines + [f"- prompt {r.prompt_index}: {tie}" for r in report.rows for tie in r.ties] + [""]
+    return lines + [f"- prompt {r.prompt_index}: {tie}" for r in report.rows for tie in r.ties] + [""] + past
 
 
 def _drafts_row(report: ParityReport) -> str:

@@ -5,9 +5,17 @@ runtime's own output (its tokens and per-round accepted counts) the reference's 
 (reference/replay.py: replay_sampled):
 (a) exact: every accepted token equals the reference's draft at its position, and the token emitted
     at a rejection differs from it (a rejection is resampled with the draft masked out). A position
-    whose reference drafter's top-2 margin is within the tie gap is a numerical tie, decided from the
-    reference's margin before the outcome is read: a difference there is listed, never failed, and the
-    rest of that round is not judged by (a) (the runtime may have drafted the other candidate).
+    whose reference drafter's top-2 margin is within TIE_ERRORS x the error the runtime's precision
+    measurably makes at that draft step (parity/numerics.py: the pair replayed at that precision along
+    the same drafts, `Measurer.replay_sampled`; the one tie rule, parity/ties.py) is a numerical tie,
+    decided from the reference's numbers before the outcome is read: a difference there is listed,
+    not failed, and the rest of that round is not judged by (a) (the runtime may have drafted the
+    other candidate). The ties are counted against a tie budget: a flip of the runtime's draft d to d'
+    at a reached position shows as a difference with probability p(d') + p(d) (d' accepted, or d
+    emitted at its rejection), at most p(d) + max over x != d of p(x); with the flip's probability from
+    the measured error (parity/numerics.py: flip_probability), a round shows a tie with probability at
+    most 1 - prod(1 - flip_i x seen_i) over its tied positions reached, and more ties than the Poisson
+    tail of their sum allows at BUDGET_ALPHA fails as a small systematic error of the drafter.
 (b) statistical: a round that reached draft position i along the reference's drafts d_1 .. d_{i-1}
     COMMITS the reference's d_i there (accepts it, or emits it at a rejection) with probability exactly
     p_i = p_target(d_i) on its prefix, whatever the runtime drafted: a runtime that drafted d accepts it
@@ -51,6 +59,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
+from eagle31_export.parity.numerics import BUDGET_ALPHA, TieBudget, flip_probability
 from eagle31_export.parity.symptoms import position_symptom
 from eagle31_export.parity.tails import exceedance_p, holm, two_sided_p
 from eagle31_export.reference.replay import SampledRound
@@ -199,11 +208,14 @@ class GreedyDrafts:
     untied: list[str]  # the drafter's differences beyond the tie tolerance, each with its symptom
     target_tokens: list[str] = field(default_factory=list)  # target tokens that differ beyond a tie
     unaligned: list[int] = field(default_factory=list)  # prompts whose rounds could not be compared
+    budget: TieBudget | None = None  # its ties against what the runtime's precision explains (parity/numerics.py)
 
     @property
     def exact(self) -> bool:
-        """The drafter drafts as the reference's in every round compared, and every prompt was compared."""
-        return self.rounds > 0 and not self.untied and not self.unaligned
+        """The drafter drafts as the reference's in every round compared (ties within the budget), and
+        every prompt was compared."""
+        return (self.rounds > 0 and not self.untied and not self.unaligned
+                and not (self.budget is not None and self.budget.exceeded))
 
     def describe(self) -> str:
         said = f"run greedy over the same {self.prompts} prompts, its {self.rounds} rounds "
@@ -230,12 +242,14 @@ class SamplingCheck:
     """(a) and (b) over every prompt of one run, and what they say together."""
 
     rule: str
-    tie_gap: float
+    tie_errors: float  # a tie: the drafter's top-2 margin within this many measured errors (parity/numerics.py)
     alpha: float
     prompts: list[PromptDrafts]
     positions: list[PositionLaw]
     rounds: int
     greedy: GreedyDrafts | None = None  # the runtime checked greedy, where the sampled run left it open
+    budget: TieBudget = field(default_factory=TieBudget)  # (a)'s ties against what the precision explains
+    precision: str | None = None  # what the errors were measured at; None: not measured, no tie excused
 
     @property
     def drafter_open(self) -> bool:
@@ -342,6 +356,17 @@ class SamplingCheck:
 
     def _drafter_failures(self) -> list[str]:
         out = [f"prompt {p.prompt_index}: {p.mismatch} ({p.symptom})" for p in self.prompts if p.mismatch]
+        if self.budget.exceeded:
+            out.append(f"{self.budget.observed} numerical ties among the sampled drafts: more differences than the "
+                       f"runtime's precision explains ({self.precision}: {self.budget.expected:.2g} expected over "
+                       f"{self.budget.decisions} tied draft steps reached, at most {self.budget.allowed} at p = "
+                       f"{BUDGET_ALPHA:g}): a small systematic error of the drafter, each of whose differences alone "
+                       f"is within the measured error ({position_symptom(self._first_tie_position())})")
+        if self.greedy is not None and self.greedy.budget is not None and self.greedy.budget.exceeded:
+            b = self.greedy.budget
+            out.append(f"{self.greedy.describe()}: {b.observed} numerical ties, more than the runtime's precision "
+                       f"explains ({b.expected:.2g} expected over {b.decisions} decisions, at most {b.allowed} at "
+                       f"p = {BUDGET_ALPHA:g}): a small systematic error")
         if self.greedy is not None and self.greedy.untied:
             out += [f"{self.greedy.describe()}: {self.greedy.untied[0]}"]
         elif (self.greedy is not None and self.greedy.exact) or self.sampler_wrong:
@@ -353,6 +378,15 @@ class SamplingCheck:
                        f"the runtime drafted another token ({position_symptom(position)})"
                        + (f"; {self.greedy.describe()}" if self.greedy is not None else ""))
         return out
+
+    def _first_tie_position(self) -> int:
+        """The draft position of the first listed tie (1 where none is parsed)."""
+        for p in self.prompts:
+            for tie in p.ties:
+                at = tie.split("draft position ", 1)[-1].split(":", 1)[0]
+                if at.isdigit():
+                    return int(at)
+        return 1
 
     def _emitted_by_position(self) -> dict[int, list[tuple[int, int]]]:
         """(a)'s rejections that emitted the reference's draft beyond a tie: position -> [(prompt, round)]."""
@@ -417,7 +451,8 @@ class SamplingCheck:
 
     def to_json(self) -> dict:
         observed, expected, half = self.tau
-        return {"rule": self.rule, "tie_gap": self.tie_gap, "alpha": self.alpha, "correction": CORRECTION,
+        return {"rule": self.rule, "tie_errors": self.tie_errors, "precision": self.precision,
+                "tie_budget": self.budget.to_json(), "alpha": self.alpha, "correction": CORRECTION,
                 "rounds": self.rounds, "drafts_exact": self.drafts_exact, "at_fault": self.at_fault,
                 "emitted_drafts": len(self.emitted_drafts),
                 "accepted_checked": self.accepted_checked, "rejections_checked": self.rejections_checked,
@@ -430,22 +465,46 @@ class SamplingCheck:
                 "greedy": None if self.greedy is None else {**asdict(self.greedy), "exact": self.greedy.exact}}
 
 
-def check_sampled(replays: list[list[SampledRound]], depth: int, tie_gap: float, alpha: float = ALPHA,
-                  rule: str = "greedy-drafts", first_index: int = 0) -> SamplingCheck:
-    """(a) and (b) over every prompt's replayed rounds (`replays[i]`: prompt first_index + i's)."""
+def check_sampled(replays: list[list[SampledRound]], depth: int, errors: list[list[list[float]]] | None,
+                  tie_errors: float, alpha: float = ALPHA, rule: str = "greedy-drafts", first_index: int = 0,
+                  precision: str | None = None) -> SamplingCheck:
+    """(a) and (b) over every prompt's replayed rounds (`replays[i]`: prompt first_index + i's), each
+    draft step's measured error in `errors[i][round][step]` (parity/numerics.py: Measurer.replay_sampled;
+    None: not measured, so no difference is excused as a tie)."""
     positions = [PositionLaw(i + 1) for i in range(depth)]
-    prompts = [_check_prompt(first_index + i, rounds, tie_gap, positions) for i, rounds in enumerate(replays)]
-    return SamplingCheck(rule, tie_gap, alpha, prompts, positions, sum(len(r) for r in replays))
+    budget, prompts = TieBudget(), []
+    for i, rounds in enumerate(replays):
+        measured = errors[i] if errors is not None else [[0.0] * len(r.margins) for r in rounds]
+        prompts.append(_check_prompt(first_index + i, rounds, measured, tie_errors, positions, budget))
+    budget.observed = sum(len(p.ties) for p in prompts)
+    return SamplingCheck(rule, tie_errors, alpha, prompts, positions, sum(len(r) for r in replays), budget=budget,
+                         precision=precision)
 
 
-def _check_prompt(index: int, rounds: list[SampledRound], tie_gap: float, positions: list[PositionLaw]
-                  ) -> PromptDrafts:
+def _check_prompt(index: int, rounds: list[SampledRound], errors: list[list[float]], tie_errors: float,
+                  positions: list[PositionLaw], budget: TieBudget) -> PromptDrafts:
     found = PromptDrafts(index, rounds=len(rounds))
-    for r in rounds:
-        tied = [m <= tie_gap for m in r.margins]  # from the reference's numbers, before any outcome is read
+    for r, round_errors in zip(rounds, errors):
+        # from the reference's numbers and the measurement, before any outcome is read
+        tied = [m <= tie_errors * e for m, e in zip(r.margins, round_errors)]
         _judge_round(r, tied, found)
         _count_round(r, tied, positions)
+        _expect_ties(r, tied, round_errors, budget)
     return found
+
+
+def _expect_ties(r: SampledRound, tied: list[bool], errors: list[float], budget: TieBudget) -> None:
+    """The most ties this round shows from the runtime's precision alone: a flip at a tied position the
+    round reached along the reference's drafts, seen with probability at most p(d) + p(rival)."""
+    stay = 1.0
+    for i, p in enumerate(r.p_drafts):
+        if p is None or i >= len(tied):
+            break
+        if tied[i]:
+            seen = min(1.0, p + (r.p_rivals[i] or 0.0))
+            stay *= 1 - flip_probability(r.margins[i], errors[i]) * seen
+            budget.decisions += 1
+    budget.expected += 1 - stay
 
 
 def _count_round(r: SampledRound, tied: list[bool], positions: list[PositionLaw]) -> None:

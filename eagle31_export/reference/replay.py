@@ -12,7 +12,7 @@ forward (they are what the runtime verified), so every round's drafts can be che
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -135,16 +135,18 @@ class SampledRound:
     # per reached position, the target's largest probability of any other token (None past them): how
     # likely a token sampled with some other draft masked out is to be this draft, at most
     p_rivals: list[float | None]
+    tops: list[Top] = field(default_factory=list)  # each draft step's best candidates (parity/numerics.py)
 
 
 @torch.no_grad()
 def replay_sampled(target: TargetBackend, drafter: DrafterBackend, prompt: list[int], run: SpecResult,
-                   sampling: Sampling) -> list[SampledRound]:
+                   sampling: Sampling, follow: list[list[int]] | None = None) -> list[SampledRound]:
     """The reference pair along a sampled run's own sequence, with one target forward. Under the
     greedy-drafts rule the drafts at each round's start are determined by the tokens before it, and
     each draft the run reached was accepted with probability p_target(draft) on the same prefix: the
     target's distribution after the round's start and the drafts before it, which the run's tokens
-    are wherever it accepted them."""
+    are wherever it accepted them. `follow`: per round, the drafts fed back at steps 2..depth instead of
+    this drafter's own (as in replay_greedy: a pair at another precision measured at the same decisions)."""
     seq = list(prompt) + list(run.tokens)
     target.reset()
     logits, taps = target.forward(torch.tensor([seq]))
@@ -155,12 +157,13 @@ def replay_sampled(target: TargetBackend, drafter: DrafterBackend, prompt: list[
         committed = drafter.length
         ids, positions = torch.tensor([seq[committed + 1: m + 1]]), torch.arange(committed, m).unsqueeze(0)
         margins: list[float] = []
+        tops: list[Top] = []
         drafts, _, _ = _draft_steps(drafter, ids, positions, taps[:, committed:m], m, run.depth, sampler, vocab,
-                                    margins)
+                                    margins, tops, follow[index] if follow is not None and index < len(follow) else None)
         drafter.truncate(m)
         tokens = seq[m + 1: m + 2 + accepted]
         rounds.append(SampledRound(index, m, accepted, tokens, drafts, margins,
-                                   *_draft_probabilities(logits[0], seq, m, drafts, accepted, sampling)))
+                                   *_draft_probabilities(logits[0], seq, m, drafts, accepted, sampling), tops=tops))
         m += accepted + 1
     return rounds
 

@@ -169,7 +169,9 @@ class LoopSpeculator(Speculator):
         with self._turn:
             return replay_greedy(self.target, self.drafter, list(prompt_ids), run, observer, follow)
 
-    def replay_sampled(self, prompt_ids: list[int], run: SpecResult, sampling: Sampling) -> list[SampledRound]:
-        """This pair along a sampled greedy-drafts run: its drafts and the target's probability of each."""
+    def replay_sampled(self, prompt_ids: list[int], run: SpecResult, sampling: Sampling,
+                       follow: list[list[int]] | None = None) -> list[SampledRound]:
+        """This pair along a sampled greedy-drafts run: its drafts and the target's probability of each
+        (`follow`: reference/replay.py, replay_sampled)."""
         with self._turn:
-            return replay_sampled(self.target, self.drafter, list(prompt_ids), run, sampling)
+            return replay_sampled(self.target, self.drafter, list(prompt_ids), run, sampling, follow)

@@ -181,6 +181,7 @@ def diagnose_rows(prompts: list[list[int]]) -> dict:
     for label, folder in DRAFTERS.items():
         report = diagnose(folder, TARGET, prompts=prompts, depth=max(DEPTHS))
         rows = {"agreement with the target": [r.agreement for r in report.rows],
+                "fed-back RMS": [r.fed_back_rms for r in report.rows],
                 "fed-back RMS / depth 1": [r.fed_back_rms_rel for r in report.rows],
                 "attention on sinks": [r.attention_sink for r in report.rows]}
         for quantity, values in rows.items():

@@ -7,8 +7,11 @@ its sampler, and commits tokens until max_new_tokens. What the reference would s
 (its drafts, the drafter's top-2 margin, p of each draft along the run's own sequence, the largest p
 of another token) becomes a `reference.replay.SampledRound`, exactly as `replay_sampled` builds them,
 and `parity.sampling.check_sampled` judges the run as `parity.compare.compare_sampled` does; where the
-check asks for the greedy run, the engine's drafter is the reference's, so that run finds every round
-the reference's (what `compare._greedy_drafts` returns for it).
+check asks for the greedy run, that run is simulated too, from the same engine's drafter: a faithful
+drafter drafts the reference's argmax (the runner-up half the time at a tie), one that is off
+(`drafter_off`) also drafts the runner-up at other positions, in the sampled run and the greedy one
+alike, so the greedy check finds it (what `compare._greedy_drafts` returns for such an engine) and the
+failure must name the drafter, not the sampler.
 
 The target's p depends on the rounds before: after an accepted draft the next position's logits are
 sharper (`after_accept`), as text a drafter predicts tends to be predictable, so the statistics are
@@ -28,12 +31,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eagle31_export.parity.numerics import TIE_ERRORS
 from eagle31_export.parity.sampling import ALPHA, GreedyDrafts, SamplingCheck, check_sampled
 from eagle31_export.reference.replay import SampledRound
 
 VOCAB = 64
 DEPTH = 3
-TIE_GAP = 1e-4  # Thresholds.sampled_tie_gap_fp32: simulated ties sit below it, other margins far above
+ERROR = 1e-5  # every draft step's measured error; margins that are no tie lie 1e5 errors apart
+TIE_MARGIN = 0.0  # a tie: the best two equal, which a faithful engine flips half the time (the budget's model)
 GARBAGE_TEMPERATURES = (None, 1e4, 1e-4, math.nan)  # None: the run's own temperature
 
 
@@ -49,6 +54,7 @@ class Case:
     tie_share: float = 0.0  # positions whose drafter top-2 margin is a tie
     temperature: float = 1.0
     after_accept: float = 1.3  # the next position's sharpness after an accepted draft, relative
+    drafter_off: float = 0.0  # how often the engine's drafter drafts the runner-up where it is no tie (a bug)
 
 
 # the tiny pair's mean p(d) at draft position 1 (benchmarks/sampling_calibration.py --tiny, 8 held-out prompts x
@@ -123,7 +129,7 @@ def simulate_prompt(case: Case, sampler: str, rng: np.random.Generator) -> list[
         ended = False
         for i in range(DEPTH):
             tie = rng.random() < case.tie_share
-            margins.append(TIE_GAP / 10 if tie else 1.0)
+            margins.append(TIE_MARGIN if tie else 1.0)
             if ended:  # past the rejection: the reference's draft is never compared
                 drafts.append(int(rng.integers(VOCAB)))
                 p_drafts.append(None)
@@ -141,7 +147,8 @@ def simulate_prompt(case: Case, sampler: str, rng: np.random.Generator) -> list[
             others[first] = 0.0
             p_drafts.append(float(p[first]) if on_path else None)
             rivals.append(float(others.max()) if on_path else None)
-            theirs = second if tie and rng.random() < 0.5 else first
+            off = rng.random() < (0.5 if tie else case.drafter_off)
+            theirs = second if off else first
             emitted = _verify(sampler, p, logits, case.temperature, theirs, rng)
             if emitted is None:
                 committed.append(theirs)
@@ -169,10 +176,29 @@ def simulate_run(case: Case, sampler: str, seed: int, alpha: float = ALPHA) -> S
     """One simulated run judged by `check_sampled`, with the greedy run where the check asks for it."""
     rng = np.random.default_rng(seed)
     replays = [simulate_prompt(case, sampler, rng) for _ in range(case.prompts)]
-    check = check_sampled(replays, DEPTH, TIE_GAP, alpha)
-    if check.wants_greedy:  # the engine's drafter and target are the reference's: greedy finds them so
-        check.greedy = GreedyDrafts(case.prompts, check.rounds, 0, [])
+    errors = [[[ERROR] * len(r.margins) for r in rounds] for rounds in replays]
+    check = check_sampled(replays, DEPTH, errors, TIE_ERRORS, alpha)
+    if check.wants_greedy:
+        check.greedy = simulate_greedy(case, rng, check.rounds)
     return check
+
+
+def simulate_greedy(case: Case, rng: np.random.Generator, rounds: int) -> GreedyDrafts:
+    """The same engine run greedy over the prompts and judged round by round: its drafter drafts the
+    reference's argmax, the runner-up half the time at a tie (a tie, listed) and `drafter_off` of the
+    time elsewhere (a difference beyond a tie, the drafter's); a round ends at its first difference.
+    Its target is the reference's: its tokens agree."""
+    ties, untied = 0, []
+    for r in range(rounds):
+        for i in range(DEPTH):
+            tie = rng.random() < case.tie_share
+            if rng.random() < (0.5 if tie else case.drafter_off):
+                if tie:
+                    ties += 1
+                else:
+                    untied.append(f"round {r}, draft position {i + 1}: the engine drafted the reference's choice 2")
+                break
+    return GreedyDrafts(case.prompts, rounds, ties, untied)
 
 
 def names_sampler(check: SamplingCheck) -> bool:

@@ -12,7 +12,8 @@ import torch
 
 from eagle31_export.demo.pair import DRAFTERS, TARGET, EmbeddedPair
 from eagle31_export.parity.compare import run_parity_in_turn
-from eagle31_export.parity.numerics import K, measurer_for
+from eagle31_export.parity.numerics import TIE_ERRORS
+from eagle31_export.parity.numerics import measurer_for
 from eagle31_export.reference import speculate
 from eagle31_export.runtime.registry import LoadOptions, PairSource, load_speculator
 
@@ -55,7 +56,7 @@ def bf16_runtime():
 def close_step():
     """(prompt, draft call, 3rd candidate's gap / error): the step along a faithful bf16 run where the
     reference's runner-up is nearest its best, in units of the error bf16 makes there, among the steps
-    whose 3rd candidate lies beyond 1.5 K of them."""
+    whose 3rd candidate lies beyond 1.5 TIE_ERRORS of them."""
     reference, runtime = load_speculator("reference", SOURCE), bf16_runtime()
     measurer = measurer_for(reference, False, torch.bfloat16, False)
     best = (math.inf, None, None)
@@ -67,9 +68,9 @@ def close_step():
                 break  # past a difference the two loops draft along other chains
             for j, (top, e) in enumerate(zip(tops, errors)):
                 second, third = ((top.values[0] - top.values[i]) / e for i in (1, 2))
-                if second < best[0] and third > 1.5 * K:
+                if second < best[0] and third > 1.5 * TIE_ERRORS:
                     best = (second, prompt, r * DEPTH + j, top.ids, third)
-    assert best[0] < K / 2, best  # the tiny drafter's best two often lie this close: such a step exists
+    assert best[0] < TIE_ERRORS / 2, best  # the tiny drafter's best two often lie this close: such a step exists
     return best[1:]
 
 
@@ -84,7 +85,7 @@ def test_a_draft_must_be_the_reference_best_or_its_close_runner_up(close_step, r
     if rank == 2:  # within the measured error of the best: a numerical tie, listed
         assert report.passed, report.failures
         assert any(t.startswith(position) for t in report.rows[0].ties), report.rows[0].ties
-        assert 0 < report.numerics["largest_tie"] <= K, report.numerics  # the tie above, in units of its error
+        assert 0 < report.numerics["largest_tie"] <= TIE_ERRORS, report.numerics  # the tie above, in units of its error
         # a PASS in bf16 says what bf16 cannot tell (docs/runtimes.md, "Measured power"); no FP4 blind spot here
         assert any("fc scaled by 1.05" in n for n in report.not_excluded), report.not_excluded
         assert "does not exclude" in report.compared and "input_scale" not in report.compared

@@ -20,6 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sampler_simulation import (  # noqa: E402
     Case, TINY_07, TINY_10, names_sampler, null_cases, simulate_run, suite_cases,
 )
+from eagle31_export.parity.numerics import TIE_ERRORS  # noqa: E402
+
+ERROR = 1e-4 / TIE_ERRORS  # the measured error of every simulated draft step: ties within 1e-4
+
+def sampled_check(replays, error: float = ERROR):
+    """check_sampled at depth 3 with every draft step's measured error `error`: a tie is a top-2 margin
+    within TIE_ERRORS x error (1e-4 by default)."""
+    return check_sampled(replays, 3, [[[error] * len(r.margins) for r in rounds] for rounds in replays], TIE_ERRORS)
 
 BROKEN = ("p squared", "draft not masked", "uniform p", "one-hot p", "garbage temperature")
 
@@ -58,7 +66,7 @@ def _rejected_at_one(index: int) -> SampledRound:
 def test_a_position_reached_too_rarely_is_inconclusive_not_failed():
     """At p = 0.999 a rejection in each of 5 rounds is far outside the law, but 5 rounds are below
     MIN_REACHED: no failure, and the PASS says it is inconclusive there."""
-    check = check_sampled([[_rejected_at_one(i) for i in range(5)]], 3, 1e-4)
+    check = sampled_check([[_rejected_at_one(i) for i in range(5)]])
     assert check.failures() == [] and check.inconclusive_reasons() and "position 1: 5" in \
         check.inconclusive_reasons()[0]
     # only the emits test runs (none of the 5 rejections emitted the draft); no count is tested
@@ -66,7 +74,7 @@ def test_a_position_reached_too_rarely_is_inconclusive_not_failed():
     # the same 5 rounds among 10 that accepted: the count is tested (P(5 or fewer of 10) at 0.999 ~ 2.5e-13)
     accepted = [SampledRound(5 + i, 30 + 2 * i, 1, [4, 6], [4, 6, 7], [1.0] * 3, [0.999, 0.5, None],
                              [0.001, 0.3, None]) for i in range(5)]
-    check = check_sampled([[_rejected_at_one(i) for i in range(5)] + accepted], 3, 1e-4)
+    check = sampled_check([[_rejected_at_one(i) for i in range(5)] + accepted])
     assert check.sampler_wrong and ENGINE_FEWER in check.failures()[0]
 
 
@@ -76,7 +84,7 @@ def test_ties_are_decided_before_the_outcome():
     tie = (1.0, 1e-6, 1.0)
     hit = SampledRound(0, 10, 2, [4, 6, 9], [4, 6, 7], list(tie), [0.5, 0.5, 0.5], [0.2, 0.2, 0.2])
     flipped = SampledRound(0, 10, 2, [4, 3, 9], [4, 6, 7], list(tie), [0.5, 0.5, None], [0.2, 0.2, None])
-    a, b = check_sampled([[hit]], 3, 1e-4), check_sampled([[flipped]], 3, 1e-4)
+    a, b = sampled_check([[hit]]), sampled_check([[flipped]])
     assert [law.reached for law in a.positions[:2]] == [law.reached for law in b.positions[:2]] == [1, 1]
     assert a.positions[1].ties == b.positions[1].ties == 1
     assert a.failures() == b.failures() == [] and len(b.prompts[0].ties) == 1
@@ -129,3 +137,15 @@ def test_a_failing_b_names_every_cause_and_what_greedy_found():
     assert check.at_fault == "sampler" and all("were not checked" in f for f in check.failures())
     flat = simulate_run(Case("tiny T 1.0, 4 x 32", 4, 32, **TINY_10), "correct", 3)
     assert flat.failures() == [] and flat.at_fault is None
+
+
+@pytest.mark.parametrize("sampler", ("correct", "p squared"))
+def test_a_drafter_that_is_off_is_named_not_the_sampler(sampler):
+    """The same simulation with the engine's drafter off (the runner-up drafted at 20 % of the positions
+    that are no tie, in the sampled run and the greedy one): every run fails naming the drafter, so that
+    a failure naming the sampler alone is never a drafter's bug (names_sampler above can fail)."""
+    case = Case("tiny T 0.7, 8 x 32, drafter off", 8, 32, drafter_off=0.2, **TINY_07)
+    checks = [simulate_run(case, sampler, 30_000 + k) for k in range(40)]
+    assert all(check.failures() and "drafter" in check.at_fault for check in checks), \
+        [(c.at_fault, c.failures()[:1]) for c in checks if not c.failures() or "drafter" not in c.at_fault][:3]
+    assert not any(names_sampler(check) for check in checks)
