@@ -4,10 +4,11 @@ and by prompt format for both drafters, drawn and rendered (a few of the committ
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+
+from required import require_real_pair
 from rich.console import Console
 
 from eagle31_export.demo.pair import DRAFTERS, TARGET, EmbeddedPair
@@ -15,20 +16,11 @@ from eagle31_export.demo.run import CLAIMS_FILE, _claims
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / "examples" / "smollm2" / "models"
-HAVE_TARGET = (SMOLLM2 / TARGET / "config.json").is_file()
-
-
-def _required(what: str) -> None:
-    """Missing here: a failure under the suite's EAGLE31_REQUIRE_VLLM=1 (`make test` builds it), else a skip."""
-    if os.environ.get("EAGLE31_REQUIRE_VLLM") == "1":
-        pytest.fail(f"required here (EAGLE31_REQUIRE_VLLM=1): {what}")
-    pytest.skip(what)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _real_pair():  # before the module's other fixtures
-    if not HAVE_TARGET:
-        _required("the real pair's target is made by `make smollm2-target` (make test does)")
+    require_real_pair()
 
 
 @pytest.mark.engine  # minutes: the real pair's reference over five prompt sets, so `make test-quick` leaves it out

@@ -5,29 +5,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from required import require_real_pair
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "smollm2" / "evaluate.py"
-HAVE_TARGET = (ROOT / "examples" / "smollm2" / "models" / "target" / "config.json").is_file()
-
-
-def _required(what: str) -> None:
-    """Missing here: a failure under the suite's EAGLE31_REQUIRE_VLLM=1 (`make test` builds it), else a skip."""
-    if os.environ.get("EAGLE31_REQUIRE_VLLM") == "1":
-        pytest.fail(f"required here (EAGLE31_REQUIRE_VLLM=1): {what}")
-    pytest.skip(what)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _real_pair():  # before the module's other fixtures
-    if not HAVE_TARGET:
-        _required("the real pair's target is made by `make smollm2-target` (make test does)")
+    require_real_pair()
 
 
 @pytest.fixture(scope="module")

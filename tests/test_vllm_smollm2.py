@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from required import required
+
 from eagle31_export.errors import UserError
 from eagle31_export.formats.drafter.checkpoint import read_drafter, write_drafter
 from eagle31_export.formats.target.quantize import quantize_checkpoint
@@ -42,20 +44,14 @@ from sabotage import pre_norm_feedback, shift_aux_ids  # noqa: E402
 pytestmark = pytest.mark.engine
 
 
-def _required(what: str) -> None:
-    if os.environ.get("EAGLE31_REQUIRE_VLLM") == "1":
-        pytest.fail(f"required here: {what}")
-    pytest.skip(what)
-
-
 @pytest.fixture(scope="module")
 def vllm():
     try:
         find_vllm(VLLM)
     except UserError as err:
-        _required(f"no vLLM environment: {err}")
+        required(f"no vLLM environment: {err}")
     if not (TARGET / "sources.json").is_file():
-        _required(f"{TARGET.relative_to(ROOT)}: no target (make smollm2-target makes it)")
+        required(f"{TARGET.relative_to(ROOT)}: no target (make smollm2-target makes it)")
     return VLLM
 
 

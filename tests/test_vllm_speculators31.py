@@ -5,7 +5,6 @@ speculators drafters have, saved by speculators 0.9.0's own classes, inspected, 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -13,16 +12,10 @@ from eagle31_export.config import SPECULATORS_31
 from eagle31_export.formats.outputs import write_manifest
 from eagle31_export.inspection import inspect_path
 from eagle31_export.parity.symptoms import POSITION_1
+from required import required
 from test_vllm_engine import DRAFTER31, TARGET, TINY, assert_exact_pass, bundle_of, parity, vllm  # noqa: F401
 
 pytestmark = pytest.mark.engine
-
-
-def _required(what: str) -> None:
-    """Missing here: a failure under the suite's EAGLE31_REQUIRE_VLLM=1 (`make test` builds it), else a skip."""
-    if os.environ.get("EAGLE31_REQUIRE_VLLM") == "1":
-        pytest.fail(f"required here (EAGLE31_REQUIRE_VLLM=1): {what}")
-    pytest.skip(what)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +24,7 @@ def speculators31(tmp_path_factory):
     try:
         import speculators.models.eagle3  # noqa: F401  (installed in the project environment: Makefile)
     except ImportError as err:
-        _required(f"speculators is not installed here ({err})")
+        required(f"speculators is not installed here ({err})")
     from speculators_trained import write_speculators_31
 
     return write_speculators_31(TINY, DRAFTER31, TARGET, tmp_path_factory.mktemp("speculators31") / "drafter")
