@@ -37,7 +37,10 @@ from eagle31_export.parity.diagnose import per_depth_side, per_depth_sides
 from eagle31_export.parity.evidence import inconclusive_reasons
 from eagle31_export.parity.mixed_batches import MixedBatchRow, check_mixed_batches
 from eagle31_export.parity.sampling import ALPHA, CORRECTION, GreedyDrafts, SamplingCheck, check_sampled
-from eagle31_export.parity.symptoms import LATER_POSITIONS, POSITION_1  # noqa: F401 (re-exported)
+from eagle31_export.parity.symptoms import (  # noqa: F401 (re-exported)
+    ACCEPTS_MORE, ACCEPTS_MORE_UNSEEN, CONTEXT_DEPENDENT, LATER_POSITIONS, POSITION_1, context_dependence,
+    context_symptom,
+)
 from eagle31_export.parity.numerics import BUDGET_ALPHA, TIE_ERRORS, Measured, Measurer, TieBudget, measurer_for
 from eagle31_export.parity.ties import Divergence, Judged, judge
 from eagle31_export.progress import Phases
@@ -87,6 +90,10 @@ class PromptRow:
     # ties this prompt's precision explains (parity/numerics.py): observed, expected, decisions
     tie_budget: dict | None = None
     largest_tie: float | None = None  # the largest tie's gap in units of its measured error (at most TIE_ERRORS)
+    # greedy, rounds aligned: the context (prompt and tokens before it) each round drafted at, and the rounds
+    # that differ beyond a tie (whether differences wait for the context to grow: symptoms.context_dependence)
+    round_contexts: list[int] = field(default_factory=list)
+    differing_rounds: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -128,6 +135,10 @@ class ParityReport:
     engine_unknown: list[str] = field(default_factory=list)
     # sampled runs with --concurrency: greedy requests among sampled ones at each C > 1 (parity/mixed_batches.py)
     mixed_batches: list[MixedBatchRow] = field(default_factory=list)
+    # greedy: differences that wait for the context to grow (symptoms.context_dependence); None: not shown
+    context_dependence: dict | None = None
+    # a failing serving bundle: what `inspect` says of the drafter it hands its engine (inspection.bundle_lints)
+    inspect_names: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -236,6 +247,7 @@ class ParityReport:
                 "runtime_dtype": self.runtime_dtype, "engine_sampler": self.engine_sampler,
                 "engine_chunk_tail": self.engine_chunk_tail, "engine_unknown": self.engine_unknown,
                 "mixed_batches": [asdict(row) for row in self.mixed_batches],
+                "context_dependence": self.context_dependence, "inspect_names": self.inspect_names,
                 "sampling": None if self.sampling is None else {**self.sampling.to_json(),
                                                                 "rule_basis": self.sampling_rule_basis},
                 "sampled_check": None if self.sampled is None else self.sampled.to_json(),
@@ -301,6 +313,37 @@ def _symptom(ref: SpecResult, run: SpecResult, round_index: int | None, logits_d
     return None
 
 
+def _accepts_more(ref: SpecResult, run: SpecResult, drafts_reported: bool, tied: set[int]) -> str | None:
+    """The runtime accepted more drafts than the reference does on the same prefix in some round, and
+    fewer in none (rounds judged numerical ties aside): its verification or the counts it reports, not its
+    drafter, where its drafts in those rounds are the reference's (a runtime that reports none: said so)."""
+    if len(ref.accepted_per_step) != len(run.accepted_per_step):
+        return None
+    rounds = [(r, a, b) for r, (a, b) in enumerate(zip(ref.accepted_per_step, run.accepted_per_step))
+              if a != b and r not in tied]
+    more = [(r, a, b) for r, a, b in rounds if b > a]
+    if not more or len(more) < len(rounds):
+        return None
+    if drafts_reported:
+        more = [(r, a, b) for r, a, b in more
+                if r < min(len(ref.drafts), len(run.drafts)) and ref.drafts[r][:b] == run.drafts[r][:b]]
+        if not more:
+            return None  # its drafter drafted otherwise, and better: a drafter difference
+    r, a, b = more[0]
+    same = "of the same drafts " if drafts_reported else ""
+    return (f"round {r}: {b} drafts accepted {same}where the reference accepts {a}, and no round accepts fewer "
+            f"({len(more)} rounds more): {ACCEPTS_MORE if drafts_reported else ACCEPTS_MORE_UNSEEN}")
+
+
+def _round_contexts(prompt: list[int], run: SpecResult) -> list[int]:
+    """The context each of the runtime's rounds drafted at: the prompt and the tokens committed before it."""
+    out, done = [], 1  # tokens[0] is the prefill's
+    for accepted in run.accepted_per_step:
+        out.append(len(prompt) + done)
+        done += accepted + 1
+    return out
+
+
 def _judged_symptom(found: list[Divergence] | None, untied: list[Divergence]) -> str | None:
     """Along the runtime's own sequence a token that differs beyond a tie is the target's (greedy
     tokens do not depend on the drafter), and the rounds that verified it differ because of it; past
@@ -354,6 +397,18 @@ def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResu
     untied = judged.untied if judged is not None else []
     same_rounds = (ref.accepted_per_step == run.accepted_per_step if in_order
                    else sorted(ref.accepted_per_step) == sorted(run.accepted_per_step))
+    aligned = in_order and len(ref.accepted_per_step) == len(run.accepted_per_step)
+    if found is not None:
+        differing = sorted({d.index for d in untied if d.kind == "round" and not d.decided_by_token})
+    elif aligned:
+        differing = [r for r, (a, b) in enumerate(zip(ref.accepted_per_step, run.accepted_per_step))
+                     if a != b or (drafts_reported and r < len(ref.drafts) and r < len(run.drafts)
+                                   and ref.drafts[r] != run.drafts[r])]
+    else:
+        differing = []
+    # rounds judged ties, or past max_new_tokens (not judged): neither more nor fewer accepted
+    tied = {d.index for d in found or [] if d.kind == "round" and (d.tie or d.past_cut)}
+    more = _accepts_more(ref, run, drafts_reported, tied) if aligned and (found is None or untied) else None
     return PromptRow(
         prompt_index=index, prompt_len=len(prompt), tokens_identical=ref.tokens == run.tokens,
         accepted_identical=same_rounds, drafts_identical=divergent is None,
@@ -362,14 +417,15 @@ def compare_prompt(index: int, prompt: list[int], ref: SpecResult, run: SpecResu
         per_position_runtime=run.per_position_acceptance, rounds_reference=len(ref.accepted_per_step),
         rounds_runtime=len(run.accepted_per_step),
         symptom=None if found is not None and not untied else (
-            _judged_symptom(found, untied) or _symptom(ref, run, divergent, logits_diff, logits_atol,
-                                                       drafts_reported)),
+            more or _judged_symptom(found, untied) or _symptom(ref, run, divergent, logits_diff, logits_atol,
+                                                               drafts_reported)),
         accepted_per_position_reference=_counts(ref), accepted_per_position_runtime=_counts(run),
         ties=None if judged is None else [d.describe() for d in judged.ties],
         untied=None if judged is None else [d.describe() for d in untied],
         past_cut=[] if judged is None else [d.describe() for d in judged.past_cut],
         tie_budget=None if judged is None else judged.budget.to_json(),
         largest_tie=max((d.ratio for d in judged.ties if d.ratio is not None), default=None) if judged else None,
+        round_contexts=_round_contexts(prompt, run) if aligned else [], differing_rounds=differing,
     )
 
 
@@ -721,29 +777,51 @@ def _sampled_row(prompt: list[int], run: SpecResult, check: SamplingCheck) -> Pr
         untied=[drafts.mismatch] if drafts.mismatch else [])
 
 
+def _context_evidence(report: ParityReport) -> list[str]:
+    """Greedy: where every prompt's differences wait for the context to grow (symptoms.context_dependence),
+    said first, and each prompt's symptom by draft position gives way to it."""
+    rounds = [(c, r in row.differing_rounds) for row in report.rows for r, c in enumerate(row.round_contexts)]
+    found = context_dependence(rounds)
+    report.context_dependence = found
+    if found is None:
+        return []
+    for row in report.rows:
+        if row.symptom and (POSITION_1 in row.symptom or LATER_POSITIONS in row.symptom):
+            row.symptom = row.symptom.replace(POSITION_1, CONTEXT_DEPENDENT).replace(LATER_POSITIONS,
+                                                                                      CONTEXT_DEPENDENT)
+    return [context_symptom(found)]
+
+
 def _failures(report: ParityReport) -> list[str]:
-    out = []
-    if report.temperature == 0 and report.ties_judged:
+    """Greedy: each failing prompt with its symptom, behind the context evidence where there is some."""
+    if report.temperature != 0:
+        return _sampling_failures(report)
+    evidence = _context_evidence(report)
+    found = _greedy_failures(report)
+    return evidence + found if found else []
+
+
+def _greedy_failures(report: ParityReport) -> list[str]:
+    if report.ties_judged:
         return [f"prompt {row.prompt_index}: {row.untied[0]}, not a numerical tie (a tie: the reference's "
                 f"runner-up within {report.thresholds.tie_errors:g} x the measured error) ({row.symptom})"
                 for row in report.rows if row.untied]
-    if report.temperature == 0:
-        for row in report.rows:
-            if not report.exact:
-                continue  # half precision: the tau rule below decides
-            if not row.tokens_identical:
-                out.append(f"prompt {row.prompt_index}: generated tokens differ ({row.symptom})")
-            elif not row.accepted_identical:
-                out.append(f"prompt {row.prompt_index}: accepted_per_step differs ({row.symptom})")
-            elif report.drafts_reported and not row.drafts_identical:
-                out.append(f"prompt {row.prompt_index}: drafts differ from round {row.first_divergent_round} "
-                           f"({row.symptom})")
-        if not report.exact:
-            ref, run = report.tau("reference"), report.tau("runtime")
-            if abs(run - ref) > report.thresholds.tau_rel_tol * ref:
-                out.append(f"tau {run:.3f} vs reference {ref:.3f}: beyond {report.thresholds.tau_rel_tol:.0%}")
-        return out
-    return _sampling_failures(report)
+    if not report.exact:  # half precision: the tau rule decides
+        ref, run = report.tau("reference"), report.tau("runtime")
+        if abs(run - ref) <= report.thresholds.tau_rel_tol * ref:
+            return []
+        return [f"tau {run:.3f} vs reference {ref:.3f}: beyond {report.thresholds.tau_rel_tol:.0%}"
+                + (f"; the runtime {ACCEPTS_MORE}" if run > ref else "")]
+    out = []
+    for row in report.rows:
+        if not row.tokens_identical:
+            out.append(f"prompt {row.prompt_index}: generated tokens differ ({row.symptom})")
+        elif not row.accepted_identical:
+            out.append(f"prompt {row.prompt_index}: accepted_per_step differs ({row.symptom})")
+        elif report.drafts_reported and not row.drafts_identical:
+            out.append(f"prompt {row.prompt_index}: drafts differ from round {row.first_divergent_round} "
+                       f"({row.symptom})")
+    return out
 
 
 def _sampling_failures(report: ParityReport) -> list[str]:
@@ -761,5 +839,6 @@ def _sampling_failures(report: ParityReport) -> list[str]:
         sigma = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / n_ref + 1 / n_run))
         if abs(p_ref - p_run) > report.thresholds.sampling_z * sigma:
             out.append(f"draft position {pos + 1}: acceptance {p_run:.3f} vs reference {p_ref:.3f} "
-                       f"(beyond {report.thresholds.sampling_z:g} sigma over {n_ref}/{n_run} rounds)")
+                       f"(beyond {report.thresholds.sampling_z:g} sigma over {n_ref}/{n_run} rounds)"
+                       + (f": the runtime {ACCEPTS_MORE}" if p_run > p_ref else ""))
     return out

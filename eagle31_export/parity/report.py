@@ -61,6 +61,9 @@ def markdown(report: ParityReport) -> str:
                   + (f"; {worst.symptom}" if worst.symptom else "") + ")", ""]
     if report.failures:
         lines += ["## Failures", ""] + [f"- {f}" for f in report.failures] + [""]
+    if report.inspect_names:
+        lines += ["inspect names, for the bundle's drafter (what `eagle31-export inspect` and `verify` say of it):",
+                  ""] + [f"- inspect names: {line}" for line in report.inspect_names] + [""]
     lines += sampled_lines(report)
     lines += tie_lines(report)
     lines += per_depth_lines(report)

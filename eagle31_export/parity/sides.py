@@ -132,7 +132,19 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
         report.failures[:0] = [failure] if failure else []
     if report.failures:
         report.failures[:0] = _served_rope_failures(bundle, drafter)
+        report.inspect_names = _inspect_names(bundle)
     return report
+
+
+def _inspect_names(bundle: Path | None) -> list[str]:
+    """A failing serving bundle: what `inspect` (and `verify`) say of the drafter it hands its engine, which
+    names a cause the acceptance can only point at (a drafter's own embed_tokens, a sliding window, a flag
+    left to each engine's default: docs/silent-bugs.md)."""
+    if served_drafter(bundle) is None:
+        return []
+    from eagle31_export.inspection import bundle_lints
+
+    return bundle_lints(bundle)
 
 
 def _activations(runtime: str, target: Path, url: str | None, stated: bool | None,
