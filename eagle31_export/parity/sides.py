@@ -89,6 +89,7 @@ def check_parity(runtime: str, bundle: Path | None, drafter: Path | None, target
         raise UserError(f"{bundle}: no such bundle folder")
     if bundle is not None:
         check_bundle(bundle, drafter, target or capture)
+        check_served_drafter(bundle)
     check_consumed(capture)  # a capture is an output of ours too: a changed byte is refused before it is read
     if context and (capture is not None or prompts_file is not None):
         raise UserError("--context builds its own prompts to each length: drop --prompts and --capture, or --context")
@@ -147,6 +148,24 @@ def _inspect_names(bundle: Path | None) -> list[str]:
     return bundle_lints(bundle)
 
 
+def check_served_drafter(bundle: Path) -> None:
+    """A serving bundle whose drafter our reader reads but refuses for its values (a smaller draft vocabulary
+    without d2t, NaN / Inf weights: formats/drafter/checkpoint.py), which an engine serves without a word:
+    refused before either side loads, not after a whole run. What the reader cannot read at all (shapes,
+    weights without their flag) is left to the engine, which refuses it in its own words."""
+    served = served_drafter(bundle)
+    if served is None:
+        return
+    try:
+        problems = read_drafter(served, strict=False).problems
+    except UserError:
+        return
+    if problems:
+        more = f" ({len(problems) - 1} more: `eagle31-export inspect {served}`)" if len(problems) > 1 else ""
+        raise UserError(f"{served}: {problems[0]}{more}; the bundle's engine would serve this drafter without a word, "
+                        "so parity refuses it before loading either side")
+
+
 def _activations(runtime: str, target: Path, url: str | None, stated: bool | None,
                  runtime_options: dict) -> dict | None:
     """What activation precision both sides compute, and how that is known: as the runtime computes
@@ -166,7 +185,11 @@ def _served_rope_failures(bundle: Path | None, drafter: Path) -> list[str]:
     served = served_drafter(bundle)
     if served is None:
         return []
-    found = served_rope_differences(read_drafter(served).config, read_drafter(drafter).config)
+    try:
+        ours = read_drafter(served, strict=False).config
+    except UserError:
+        return []  # the engine served what our reader cannot read: its rope is not ours to say
+    found = served_rope_differences(ours, read_drafter(drafter).config)
     return [f"rope or positions: {d} (the bundle's {served.name}/config.json): the runtime rotates or bounds "
             "positions unlike the reference, which shows most at long context" for d in found]
 
