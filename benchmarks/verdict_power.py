@@ -71,7 +71,7 @@ from eagle31_export.runtime.registry import LoadOptions, PairSource, load_specul
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "parity"))
 from sabotage import (  # noqa: E402
-    drop_fc_norm, pre_norm_feedback, scale_fc, scale_rope_theta, shift_aux_ids, shift_d2t,
+    drop_fc_norm, pre_norm_feedback, random_embed_tokens, scale_fc, scale_rope_theta, shift_aux_ids, shift_d2t,
 )
 
 PAIR = EmbeddedPair.open(ROOT / "examples" / "tiny" / "models")
@@ -82,7 +82,11 @@ PRECISIONS = {"fp32": (torch.float32, False, TARGET), "bf16": (torch.bfloat16, F
               NO_BAND: (torch.float32, True, TARGET_NVFP4)}
 SABOTAGES = {"faithful": lambda c: c, "taps shifted": lambda c: shift_aux_ids(c, 8), "fc_norm dropped": drop_fc_norm,
              "norm_output dropped": pre_norm_feedback, "d2t off by one": shift_d2t,
-             "rope_theta x4": scale_rope_theta, "fc x 1.05": scale_fc}
+             "rope_theta x4": scale_rope_theta, "fc x 1.05": scale_fc,
+             # the drafter's own random embed_tokens: our runtime, like vLLM 0.32, keeps a drafter's own table. The
+             # engine classes our loop cannot run as the engine does (a sliding window it never applies, flags the
+             # engine reads elsewhere, positions past --context) are measured on vLLM (tests/test_vllm_silent_bugs.py)
+             "embed_tokens random": random_embed_tokens}
 
 
 def ignore_input_scale(target: torch.nn.Module) -> None:

@@ -255,7 +255,13 @@ def _run_sides(runtime: str, reference_source: PairSource, runtime_source: PairS
         seen = {}  # what the runtime says of its dtype; not the runtime itself, which in-turn parity releases
 
         def load_runtime():
-            speculator = load_speculator(runtime, runtime_source, runtime_side, workdir)
+            try:
+                speculator = load_speculator(runtime, runtime_source, runtime_side, workdir)
+            except UserError as err:  # an engine that refused the bundle: what inspect says of its drafter too
+                named = _inspect_names(runtime_source.artifacts)
+                if not named:
+                    raise
+                raise UserError(f"{err}; inspect names, for the bundle's drafter: {'; '.join(named)}") from None
             seen["runtime_dtype"] = getattr(speculator, "runtime_dtype", None)
             seen["engine_sampler"] = getattr(speculator, "engine_sampler", None)
             seen["engine_chunk_tail"] = getattr(speculator, "engine_chunk_tail", None)
