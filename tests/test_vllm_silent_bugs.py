@@ -152,6 +152,7 @@ def test_drop_d2t_is_refused_before_anything_loads(vllm_env, faithful_bundle, tm
                     "reads draft id i as target id i", "refuses it before loading either side")
 
 
+# own engines: what is tested is the command's local engine refusing to start
 @pytest.mark.parametrize("bug", ["nested_flags", "fc_norm_unapplied"])
 def test_vllm_refuses_to_start_and_inspect_names_why(vllm_env, faithful_bundle, tmp_path, bug):
     """fc_norm moved into eagle_config (vLLM 0.32 reads it only at the top level), or set false with its weights
