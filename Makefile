@@ -60,8 +60,8 @@ demo: setup
 
 # EAGLE31_REQUIRE_VLLM: the vLLM tests fail, not skip, where the engine cannot be found;
 # --durations: the slowest tests, where the suite's time goes. Two xdist workers, one per core: each module runs
-# on one worker and the modules sharing vLLM servers together, longest first (tests/conftest.py: SHARED_GROUPS).
-XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
+# whole on one worker, the longest first (tests/conftest.py: LONGEST_FIRST).
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: setup setup-vllm smollm2-target
 	EAGLE31_VLLM=$(VLLM_VENV) EAGLE31_REQUIRE_VLLM=1 $(PY) -m pytest -q $(XDIST) --durations=25 tests
 

