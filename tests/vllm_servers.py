@@ -5,7 +5,7 @@ A test reaches a shared server exactly as a user reaches theirs: `parity --url` 
 (`--draft-log`: our plugin logs every draft the engine verified) and its dtype stated. Tests that must start
 an engine of their own (a command's local engine, faults, start-up options) do so and say why.
 
-At most MAX_ALIVE servers run at once (each ~0.65 GB resident on the CPU build for the tiny pair): the one used least
+At most MAX_ALIVE servers run at once (each ~1.5 GB resident on the CPU build, its KV cache included): the one used least
 recently is stopped to make room and started again if asked for later (`restarts` counts those).
 """
 
@@ -25,7 +25,7 @@ from eagle31_export.runtime.vllm_drafts import DRAFT_LOG_ENV
 from eagle31_export.runtime.vllm_engine import LocalServer, find_vllm
 from eagle31_export.runtime.vllm_runtime import engine_args
 
-MAX_ALIVE = 6
+MAX_ALIVE = 3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
