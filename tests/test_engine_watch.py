@@ -20,7 +20,7 @@ INNER = textwrap.dedent('''
     def _engine(tmp_path):
         # `sleep` under an engine's name: the guard reads command lines only
         fake = shutil.copy(shutil.which("sleep"), tmp_path / "tritonserver")
-        subprocess.run([str(fake), "2"], check=True)
+        subprocess.run([str(fake), "4"], check=True)  # 4 s: seen by a watch polling every 0.25 s, even under load
 
     def test_unmarked_starts_one(tmp_path):
         _engine(tmp_path)
